@@ -130,6 +130,8 @@ class PreemptionTest(parameterized.TestCase):
     with tempfile.TemporaryDirectory() as d:
       cls.fit_reference = run_to_end(
           None, ["default", "fit", os.path.join(d, "b"), "--sleep", "0"], d)[0]
+      # Plain model.fit with tfdist.BackupAndRestore trains the same steps.
+      cls.keras_reference = cls.fit_reference
       cls.runner_reference = run_to_end(
           None, ["default", "runner", os.path.join(d, "r"), "--sleep", "0"],
           d)[0]
@@ -139,6 +141,8 @@ class PreemptionTest(parameterized.TestCase):
       ("fit_sigterm_one_worker", "fit", signal.SIGTERM, 1),
       # SLURM's --signal=USR1@N, forwarded to the tasks (here: the leader).
       ("runner_sigusr1_leader", "runner", signal.SIGUSR1, 0),
+      # Plain model.fit, hooked by the tfdist.BackupAndRestore callback.
+      ("keras_fit_sigterm_leader", "keras", signal.SIGTERM, 0),
   )
   def test_multi_worker_mirrored(self, loop, signum, target):
     reference = getattr(self, f"{loop}_reference")
@@ -164,10 +168,11 @@ class PreemptionTest(parameterized.TestCase):
     if loop == "runner":
       self.assertEqual(resumed[0]["start"], saved)
 
-  def test_single_process_fit_preempted_twice(self):
+  @parameterized.parameters("fit", "keras")
+  def test_single_process_preempted_twice(self, loop):
     """Preempted twice in a row, a run still finishes exactly."""
     with tempfile.TemporaryDirectory() as d:
-      args = ["mirrored", "fit", os.path.join(d, "b")]
+      args = ["mirrored", loop, os.path.join(d, "b")]
       for after in (3, 10):
         codes, seconds, tasks = preempt(None, args, d, target=0,
                                         signum=signal.SIGTERM,

@@ -42,6 +42,7 @@ _LAZY = {
     "STRATEGY_NAMES": "tfdist.strategy.factory",
     "serve": "tfdist.strategy.server",
     "fit": "tfdist.training.fit",
+    "BackupAndRestore": "tfdist.training.backup",
     "Runner": "tfdist.training.runner",
     "RunnerOptions": "tfdist.training.runner",
     "supervised_step": "tfdist.training.runner",
@@ -60,6 +61,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "BackupAndRestore",
     "CentralStorageOptions",
     "CheckpointError",
     "ClusterInfo",

@@ -1,15 +1,17 @@
 """A slow deterministic training job for fault tests; prints JSON at the end.
 
-Usage: fault_job.py STRATEGY {fit,runner} DIR [--sleep S] [--steps N]
+Usage: fault_job.py STRATEGY {fit,keras,runner} DIR [--sleep S] [--steps N]
 
 ``fit`` trains with tfdist.fit (3 epochs of 6 steps, backup_dir=DIR, a backup
-every 2 steps); ``runner`` with tfdist.Runner (N steps, checkpoints in DIR
+every 2 steps); ``keras`` the same with plain ``model.fit`` and
+``tfdist.BackupAndRestore(DIR, save_freq=2)``; ``runner`` with tfdist.Runner (N steps, checkpoints in DIR
 every 3 steps). Each step prints ``step K`` (K counted over restarts) and
 sleeps S seconds, so a test can signal or kill a task mid-training.
 """
 
 import argparse
 import json
+import os
 import time
 
 import job_common
@@ -17,7 +19,7 @@ import tfdist
 
 parser = argparse.ArgumentParser()
 parser.add_argument("strategy")
-parser.add_argument("loop", choices=["fit", "runner"])
+parser.add_argument("loop", choices=["fit", "keras", "runner"])
 parser.add_argument("dir")
 parser.add_argument("--sleep", type=float, default=0.3)
 parser.add_argument("--steps", type=int, default=18)
@@ -28,13 +30,14 @@ args = parser.parse_args()
 options = {"timeout_seconds": args.timeout} if args.timeout else {}
 if args.startup_timeout:
   options["startup_timeout_seconds"] = args.startup_timeout
+print(f"pid {os.getpid()}", flush=True)  # For a test to signal it.
 print("building", flush=True)
 strategy = tfdist.make_strategy(args.strategy, **options)
 
 import keras  # pylint: disable=g-import-not-at-top
 
 G = job_common.GLOBAL_BATCH
-if args.loop == "fit":
+if args.loop in ("fit", "keras"):
   x, y = job_common.data(48)  # 6 steps per epoch.
   with strategy.scope():
     model = job_common.model()
@@ -46,9 +49,14 @@ if args.loop == "fit":
       print(f"step {int(self.model.optimizer.iterations.numpy())}", flush=True)
       time.sleep(args.sleep)
 
-  tfdist.fit(model, x, y, batch_size=G, shuffle=False, epochs=3,
-             callbacks=[Slow()], backup_dir=args.dir, backup_every_steps=2,
-             verbose=0)
+  if args.loop == "fit":
+    tfdist.fit(model, x, y, batch_size=G, shuffle=False, epochs=3,
+               callbacks=[Slow()], backup_dir=args.dir, backup_every_steps=2,
+               verbose=0)
+  else:
+    model.fit(x, y, batch_size=G, shuffle=False, epochs=3, verbose=0,
+              callbacks=[Slow(), tfdist.BackupAndRestore(args.dir,
+                                                         save_freq=2)])
   iterations = int(model.optimizer.iterations.numpy())
   start = None
 else:

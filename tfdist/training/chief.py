@@ -23,7 +23,10 @@ __all__ = ["task_of", "is_chief", "write_dir"]
 
 def task_of(strategy: tf.distribute.Strategy) -> tuple[str | None, int | None, dict]:
   """``(task_type, task_id, cluster)`` of this process under ``strategy``."""
-  resolver = getattr(strategy, "cluster_resolver", None)
+  # ParameterServerStrategy keeps its resolver where the public property
+  # does not look (``cluster_resolver`` is None under TensorFlow 2.21).
+  resolver = (getattr(strategy, "cluster_resolver", None)
+              or getattr(strategy, "_cluster_resolver", None))
   if resolver is None:
     return None, None, {}
   cluster = resolver.cluster_spec().as_dict()

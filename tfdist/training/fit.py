@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shutil
+import re
 from typing import Any, Callable, Sequence
 
 import keras
@@ -36,8 +36,8 @@ import tensorflow as tf
 from tfdist.data import batching
 from tfdist.errors import ConfigError
 from tfdist.errors import WorkerLostError
+from tfdist.training import backup as backup_lib
 from tfdist.training import callbacks as callbacks_lib
-from tfdist.training import checkpoints as checkpoints_lib
 from tfdist.training import chief as chief_lib
 from tfdist.training import preemption as preemption_lib
 
@@ -120,9 +120,9 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
   backup = None
   epoch, step = initial_epoch, 0
   if backup_dir:
-    backup = _Backup(model=model, directory=backup_dir, strategy=strategy,
-                     steps_per_epoch=stream.steps_per_epoch,
-                     every_steps=backup_every_steps)
+    backup = backup_lib.BackupAndRestore(
+        backup_dir, save_freq=backup_every_steps or "epoch")
+    backup.manage(model, steps_per_epoch=stream.steps_per_epoch)
     restored = backup.restore()
     if restored is not None:
       epoch, step = restored
@@ -274,18 +274,72 @@ def _is_batched(dataset: tf.data.Dataset) -> bool:
 
 @contextlib.contextmanager
 def _worker_errors(strategy):
-  """Turns TensorFlow's errors for a lost peer into WorkerLostError."""
+  """Turns TensorFlow's errors for a lost peer into WorkerLostError.
+
+  Under ParameterServerStrategy the coordinator itself tolerates a lost
+  worker (it reschedules the worker's steps), so an error that gets here most
+  likely means a ps task was lost: the message names it, since its variables
+  are gone and only a restart of the whole cluster can go on.
+  """
   try:
     yield
   except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
           tf.errors.AbortedError, tf.errors.CancelledError) as e:
-    task_type, task_id, _ = chief_lib.task_of(strategy)
+    task_type, task_id, cluster = chief_lib.task_of(strategy)
     me = f"{task_type}:{task_id}" if task_type else "this process"
+    cause = f"{type(e).__name__}: {_summary(e)}"
+    lost_ps = (_lost_ps_tasks(cluster.get("ps", []), e)
+               if _is_ps_strategy(strategy) else [])
+    if lost_ps:
+      raise WorkerLostError(
+          f"{me}: parameter server task {', '.join(lost_ps)} was lost "
+          f"mid-training ({cause}). Its variables are gone, so this run "
+          "cannot go on: restart the whole cluster, ps, workers and chief "
+          "(tfdist launch --max-restarts K, or SLURM's requeue); with "
+          "backup_dir training resumes from the last backup, restored onto "
+          "the new ps tasks") from e
     raise WorkerLostError(
         f"{me}: a peer task died, stopped or stopped answering mid-training "
-        f"({type(e).__name__}: {str(e).splitlines()[0][:300]}). Restart the "
-        "cluster (tfdist launch --max-restarts K, or SLURM's requeue); with "
-        "backup_dir training resumes from the last backup") from e
+        f"({cause}). Restart the cluster (tfdist launch --max-restarts K, or "
+        "SLURM's requeue); with backup_dir training resumes from the last "
+        "backup") from e
+
+
+# TensorFlow names the remote task an RPC failed on, e.g. "GRPC error
+# information from remote target /job:ps/replica:0/task:1".
+_REMOTE_PS = re.compile(r"remote target /job:ps/replica:\d+/task:(\d+)")
+_GENERIC_LINE = re.compile(r"^(graph execution error:|\d+ root error\(s\) "
+                           r"found\.)$", re.IGNORECASE)
+
+
+def _is_ps_strategy(strategy: tf.distribute.Strategy) -> bool:
+  return isinstance(strategy,
+                    tf.distribute.experimental.ParameterServerStrategy)
+
+
+def _summary(error: Exception, limit: int = 300) -> str:
+  """The first informative line of a TensorFlow error message."""
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  for line in lines:
+    if not _GENERIC_LINE.match(line):
+      return line[:limit]
+  return (lines[0] if lines else "no message")[:limit]
+
+
+def _lost_ps_tasks(addresses, error: Exception) -> list[str]:
+  """The ps tasks a ParameterServerStrategy error names, e.g. ``ps:0 at A``.
+
+  A task is named when TensorFlow's message names it as a remote target or
+  names its address (``addresses``: the cluster's ps job).
+  """
+  text = str(error)
+  if isinstance(addresses, dict):  # A sparse cluster: {index: address}.
+    addresses = [addresses.get(i, "?") for i in range(max(addresses) + 1)]
+  lost = {int(i) for i in _REMOTE_PS.findall(text)}
+  lost.update(i for i, address in enumerate(addresses)
+              if re.search(re.escape(address) + r"(?!\d)", text))
+  return [f"ps:{i} at {addresses[i]}" if i < len(addresses) else f"ps:{i}"
+          for i in sorted(lost)]
 
 
 def _fit_keras(model, stream, cbs, *, epochs, epoch, step, verbose,
@@ -411,71 +465,3 @@ def _build_for_coordinator(model, dataset_fn) -> None:
     model._symbolic_build(data_batch=batch)  # pylint: disable=protected-access
     if not model.optimizer.built:
       model.optimizer.build(model.trainable_variables)
-
-
-class _Backup(keras.callbacks.Callback):
-  """Checkpoints model, optimizer and position; the chief writes."""
-
-  def __init__(self, *, model, directory: str, strategy, steps_per_epoch: int,
-               every_steps: int | None):
-    super().__init__()
-    self._directory = directory
-    self._strategy = strategy
-    self._steps = steps_per_epoch
-    self._every = every_steps
-    self.offset = 0  # Steps of the current epoch done before this fit call.
-    self.watcher: preemption_lib.PreemptionWatcher | None = None
-    self._epoch = 0
-    with tf.init_scope():
-      self._position = tf.Variable([0, 0], dtype=tf.int64, trainable=False,
-                                   name="tfdist_backup_position")
-    self._checkpoint = tf.train.Checkpoint(model=model,
-                                           optimizer=model.optimizer,
-                                           position=self._position)
-
-  def restore(self) -> tuple[int, int] | None:
-    """Restores the latest backup; returns its ``(epoch, step)``."""
-    if not checkpoints_lib.candidates(self._directory):
-      return None
-    model = self._checkpoint.model
-    with self._strategy.scope():
-      if not model.optimizer.built:
-        model.optimizer.build(model.trainable_variables)
-    checkpoints_lib.restore_latest(self._checkpoint, self._directory)
-    epoch, step = (int(v) for v in self._position.numpy())
-    return epoch, step
-
-  def due(self, done_in_epoch: int) -> bool:
-    return bool(self._every) and done_in_epoch % self._every == 0
-
-  def on_epoch_begin(self, epoch, logs=None):
-    self._epoch = epoch
-
-  def on_train_batch_end(self, batch, logs=None):
-    done = self.offset + batch + 1
-    if self.watcher is not None and self.watcher.should_stop():
-      self.preempt(self._epoch, done)
-    if self.due(done) and done < self._steps:
-      self._save(self._epoch, done)
-
-  def preempt(self, epoch: int, done: int) -> None:
-    """Saves at ``done`` steps into ``epoch`` and raises PreemptedError."""
-    if done >= self._steps:
-      epoch, done = epoch + 1, 0
-    self._save(epoch, done)
-    self.watcher.exit(epoch * self._steps + done)
-
-  def on_epoch_end(self, epoch, logs=None):
-    self._save(epoch + 1, 0)
-
-  def _save(self, epoch: int, step: int) -> None:
-    self._position.assign([epoch, step])
-    with chief_lib.write_dir(self._directory, self._strategy) as directory:
-      manager = tf.train.CheckpointManager(self._checkpoint, directory,
-                                           max_to_keep=2)
-      manager.save(checkpoint_number=epoch * self._steps + step)
-
-  def finished(self) -> None:
-    """Training completed: the backup is no longer needed."""
-    if chief_lib.is_chief(self._strategy):
-      shutil.rmtree(self._directory, ignore_errors=True)

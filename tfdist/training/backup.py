@@ -1,0 +1,230 @@
+"""`BackupAndRestore`: exact mid-epoch resume and preemption for ``fit``.
+
+A drop-in replacement for ``keras.callbacks.BackupAndRestore`` for plain
+``model.fit`` under a tfdist strategy, and the backup behind
+``tfdist.fit(backup_dir=...)``. It checkpoints the model, the optimizer and
+the position (epoch, step within the epoch):
+
+* the chief writes ``backup_dir``; other workers write a temporary directory
+  that is removed at once (`tfdist.training.chief.write_dir`);
+* on SIGTERM or SIGUSR1 every worker saves at the same step and
+  `tfdist.PreemptedError` (exit code 42) ends training
+  (`tfdist.training.preemption`);
+* a restarted ``fit`` restores the backup and resumes at the saved step: the
+  batches already applied are drawn from the input and dropped, never applied
+  twice (Keras's own callback resumes at epoch starts and re-applies the steps
+  of a partial epoch, UPSTREAM.md);
+* the backup is removed when training completes.
+
+Exact resume needs an input that gives the same batches in the same order on
+every run: a dataset shuffled with a seed, or arrays with ``shuffle=False``
+(``tfdist.fit`` shuffles arrays statelessly, per epoch, by itself).
+
+    model.fit(dataset, epochs=3,
+              callbacks=[tfdist.BackupAndRestore("/shared/backup",
+                                                 save_freq=100)])
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+from tfdist.training import checkpoints as checkpoints_lib
+from tfdist.training import chief as chief_lib
+from tfdist.training import preemption as preemption_lib
+
+__all__ = ["BackupAndRestore"]
+
+_SOURCE = "tfdist.BackupAndRestore"
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+  """Backs up training state; restores it, mid-epoch, when ``fit`` restarts.
+
+  Attributes:
+    offset: steps of the current epoch applied before this ``fit`` call
+      started (set by ``tfdist.fit``, which skips them in its input).
+    watcher: the `PreemptionWatcher` in use while training.
+  """
+
+  def __init__(self, backup_dir: str, *, save_freq: str | int = "epoch",
+               delete_checkpoint: bool = True):
+    """Creates the callback.
+
+    Args:
+      backup_dir: where the chief keeps the backup; shared by all runs of one
+        job (a restart must find it).
+      save_freq: ``"epoch"`` to back up at epoch ends only, or ``N`` to also
+        back up every ``N`` steps within an epoch.
+      delete_checkpoint: remove the backup when training completes, as
+        Keras's ``BackupAndRestore`` does.
+
+    Raises:
+      ConfigError: an empty ``backup_dir`` or a ``save_freq`` that is neither
+        ``"epoch"`` nor a positive integer.
+    """
+    super().__init__()
+    if not isinstance(backup_dir, str) or not backup_dir:
+      raise ConfigError(field="backup_dir", value=backup_dir, source=_SOURCE,
+                        expected="a directory path every run of the job sees")
+    if save_freq != "epoch" and (not isinstance(save_freq, int)
+                                 or isinstance(save_freq, bool)
+                                 or save_freq < 1):
+      raise ConfigError(field="save_freq", value=save_freq, source=_SOURCE,
+                        expected='"epoch" or a positive number of steps')
+    self._directory = backup_dir
+    self._every = None if save_freq == "epoch" else save_freq
+    self._delete = delete_checkpoint
+    self.offset = 0
+    self.watcher: preemption_lib.PreemptionWatcher | None = None
+    self._managed = False  # True when tfdist.fit drives restore and watching.
+    self._steps: int | None = None
+    self._epoch = 0
+    self._skip = 0  # Steps of the resumed epoch dropped, not applied.
+    self._checkpoint: tf.train.Checkpoint | None = None
+    self._position: tf.Variable | None = None
+
+  # --- The part tfdist.fit drives -------------------------------------------
+
+  def manage(self, model: keras.Model, *, steps_per_epoch: int) -> None:
+    """For ``tfdist.fit``: it restores, skips input and watches signals."""
+    self._managed = True
+    self._steps = steps_per_epoch
+    self.set_model(model)
+
+  def restore(self) -> tuple[int, int] | None:
+    """Restores the newest readable backup; returns its ``(epoch, step)``.
+
+    Raises:
+      CheckpointError: the directory holds backups and none is readable.
+    """
+    if not checkpoints_lib.candidates(self._directory):
+      return None
+    checkpoint = self._ensure_checkpoint()
+    model = self.model
+    with model.distribute_strategy.scope():
+      if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+    checkpoints_lib.restore_latest(checkpoint, self._directory)
+    epoch, step = (int(v) for v in self._position.numpy())
+    return epoch, step
+
+  def due(self, done_in_epoch: int) -> bool:
+    """True when a periodic backup falls after ``done_in_epoch`` steps."""
+    return bool(self._every) and done_in_epoch % self._every == 0
+
+  def preempt(self, epoch: int, done: int) -> None:
+    """Saves at ``done`` steps into ``epoch`` and raises PreemptedError."""
+    if self._steps and done >= self._steps:
+      epoch, done = epoch + 1, 0
+    self._save(epoch, done)
+    watcher = self.watcher
+    if not self._managed:
+      self._stop_watching()
+    watcher.exit(epoch * (self._steps or 0) + done)
+
+  def finished(self) -> None:
+    """Training completed: the backup is no longer needed."""
+    if self._delete and chief_lib.is_chief(self.model.distribute_strategy):
+      shutil.rmtree(self._directory, ignore_errors=True)
+
+  # --- Keras callback hooks --------------------------------------------------
+
+  def on_train_begin(self, logs=None):
+    if self._managed:
+      return
+    strategy = self.model.distribute_strategy
+    if isinstance(strategy,
+                  tf.distribute.experimental.ParameterServerStrategy):
+      raise ConfigError(
+          field="callbacks", value=type(self).__name__, source=_SOURCE,
+          expected="a synchronous strategy: Keras 3's Model.fit does not run "
+                   "under ParameterServerStrategy",
+          hint="Use tfdist.fit(model, dataset_fn, backup_dir=...)")
+    self._steps = self.params.get("steps") if self.params else None
+    restored = self.restore()
+    if restored is not None:
+      epoch, step = restored
+      self.model._initial_epoch = epoch  # pylint: disable=protected-access
+      if step:
+        self._skip_batches(step)
+    self.watcher = preemption_lib.PreemptionWatcher(strategy).__enter__()
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._epoch = epoch
+
+  def on_train_batch_end(self, batch, logs=None):
+    done = self.offset + batch + 1
+    if done <= self._skip:  # A dropped batch of the resumed epoch.
+      return
+    if self.watcher is not None and self.watcher.should_stop():
+      self.preempt(self._epoch, done)
+    if self.due(done) and (self._steps is None or done < self._steps):
+      self._save(self._epoch, done)
+
+  def on_epoch_end(self, epoch, logs=None):
+    self._skip = 0
+    self._save(epoch + 1, 0)
+
+  def on_train_end(self, logs=None):
+    if self._managed:
+      return
+    self._stop_watching()
+    self.model._initial_epoch = None  # pylint: disable=protected-access
+    self.finished()
+
+  # --- Internals ---------------------------------------------------------------
+
+  def _ensure_checkpoint(self) -> tf.train.Checkpoint:
+    if self._checkpoint is None:
+      with tf.init_scope():
+        self._position = tf.Variable([0, 0], dtype=tf.int64, trainable=False,
+                                     name="tfdist_backup_position")
+      self._checkpoint = tf.train.Checkpoint(
+          model=self.model, optimizer=self.model.optimizer,
+          position=self._position)
+    return self._checkpoint
+
+  def _save(self, epoch: int, step: int) -> None:
+    checkpoint = self._ensure_checkpoint()
+    self._position.assign([epoch, step])
+    number = epoch * self._steps + step if self._steps else None
+    strategy = self.model.distribute_strategy
+    with chief_lib.write_dir(self._directory, strategy) as directory:
+      manager = tf.train.CheckpointManager(checkpoint, directory,
+                                           max_to_keep=2)
+      manager.save(checkpoint_number=number)
+
+  def _stop_watching(self) -> None:
+    if self.watcher is not None:
+      self.watcher.__exit__(None, None, None)
+      self.watcher = None
+
+  def _skip_batches(self, steps: int) -> None:
+    """Makes the next ``steps`` batches of plain ``fit`` draw and drop data.
+
+    Keras counts them as steps of the epoch (so the epoch still ends after
+    its ``steps_per_epoch``), but nothing is applied: the restored optimizer
+    already holds them.
+    """
+    model = self.model
+    train = model.make_train_function()
+    per_call = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+    self._skip = steps
+
+    left = [steps]
+
+    def skipping(iterator) -> dict[str, Any]:
+      for _ in range(min(per_call, left[0])):
+        next(iterator)
+        left[0] -= 1
+      if not left[0]:
+        model.train_function = train
+      return {}
+
+    model.train_function = skipping
