@@ -4,8 +4,6 @@
   tfdist launch --workers 2 -- python examples/custom_loop.py
 """
 
-from absl import app
-
 from tfdist import flags as tfdist_flags
 from tfdist import recipes
 
@@ -21,4 +19,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=tfdist_flags.parse_flags)
+  tfdist_flags.run(main)

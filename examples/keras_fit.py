@@ -6,8 +6,6 @@
   python examples/keras_fit.py --strategy=tpu --tpu=local     # a TPU VM
 """
 
-from absl import app
-
 from tfdist import flags as tfdist_flags
 from tfdist import recipes
 
@@ -26,4 +24,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=tfdist_flags.parse_flags)
+  tfdist_flags.run(main)

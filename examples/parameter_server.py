@@ -7,12 +7,10 @@ end when it finishes; the chief trains.
   sbatch cluster_configs/parameter_server.sbatch   # under SLURM
 """
 
-from absl import app
-
 from tfdist import flags as tfdist_flags
 from tfdist import recipes
 
-tfdist_flags.define_flags()
+tfdist_flags.define_flags(default_strategy="parameter_server")
 recipes.define_example_flags()
 
 
@@ -24,4 +22,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=tfdist_flags.parse_flags)
+  tfdist_flags.run(main)

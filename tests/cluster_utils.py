@@ -39,6 +39,44 @@ class Result:
                          f"stderr:\n{self.stderr[-3000:]}")
 
 
+def session_processes(sid: int) -> list[int]:
+  """PIDs of live processes in session ``sid`` (a process we started with
+  ``start_new_session=True`` leads its own session)."""
+  pids = []
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+      continue
+    # Fields after the name: state, ppid, pgrp, session, ...
+    if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+      pids.append(int(entry))
+  return pids
+
+
+def run_alone(argv: Sequence[str], *, env: Mapping[str, str], cwd: str,
+              timeout: float) -> tuple[Result, list[int]]:
+  """Runs ``argv`` in a session of its own; returns its result and the PIDs
+  of any process it left behind (those are killed before returning)."""
+  proc = subprocess.Popen(list(argv), env=dict(env), cwd=cwd,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True)
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=30)
+    raise AssertionError(f"{argv} still running after {timeout} s:\n"
+                         f"{err[-3000:]}") from None
+  left = session_processes(proc.pid)
+  for pid in left:
+    os.kill(pid, signal.SIGKILL)
+  return Result(proc.returncode, out, err), left
+
+
 def worker_configs(num_workers: int, *, num_ps: int = 0,
                    chief: bool = False) -> list[dict]:
   """One TF_CONFIG dict per task, on free ports."""

@@ -6,7 +6,7 @@ Each case checks the error names the field; the CLI cases also check one
 
 import json
 import os
-import subprocess
+import socket
 import sys
 import tempfile
 from unittest import mock
@@ -140,7 +140,6 @@ class LaunchSpecTest(parameterized.TestCase):
     self.assertIn(field, str(caught.exception))
 
   def test_port_taken(self):
-    import socket  # pylint: disable=g-import-not-at-top
     with socket.socket() as s:
       s.bind(("127.0.0.1", 0))
       port = s.getsockname()[1]
@@ -149,45 +148,121 @@ class LaunchSpecTest(parameterized.TestCase):
     self.assertIn(f"port {port}", str(caught.exception))
 
 
+def _example(name):
+  return os.path.join(cluster_utils.REPO, "examples", name)
+
+
+_SLURM_STEP = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+               "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_ID": "0",
+               "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+               "SLURM_STEP_NUM_TASKS": "2"}
+
+
+class BackupAndRestoreTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("empty_dir", dict(backup_dir=""), "backup_dir"),
+      ("zero_freq", dict(save_freq=0), "save_freq"),
+      ("freq_word", dict(save_freq="batch"), "save_freq"),
+      ("freq_bool", dict(save_freq=True), "save_freq"),
+  )
+  def test_constructor(self, overrides, field):
+    kwargs = dict(backup_dir="/tmp/never-written")
+    kwargs.update(overrides)
+    with self.assertRaises(tfdist.ConfigError) as caught:
+      tfdist.BackupAndRestore(**kwargs)
+    self.assertIn(field, str(caught.exception))
+    self.assertFalse(os.path.exists("/tmp/never-written"))
+
+
+# What importing Keras and TensorFlow creates in a fresh home directory
+# (~/.keras/keras.json and caches): theirs, not written by tfdist.
+LIBRARY_CACHES = {".keras", ".cache", ".config"}
+
+
 class CliTest(parameterized.TestCase):
-  """The same kinds of input on the command line: exit 2, one line."""
+  """The same kinds of input on command lines: the ``tfdist`` command and
+  the absl example scripts. Exit 2, one ``tfdist:`` line naming the field,
+  nothing written (working and home directory stay empty) and no process
+  left behind."""
 
   @parameterized.named_parameters(
       ("zero_workers", ["launch", "--workers", "0", "--", PY, "-c", "pass"],
-       "--workers"),
+       None, "--workers"),
       ("negative_restarts", ["launch", "--max-restarts", "-1", "--", PY, "-c",
-                             "pass"], "--max-restarts"),
-      ("missing_script", ["launch", "--", PY, "/no/such.py"], "script"),
-      ("workers_not_int", ["launch", "--workers", "two", "--", PY], "--workers"),
-      ("bad_tf_config_info", ["info"], "TF_CONFIG"),
+                             "pass"], None, "--max-restarts"),
+      ("missing_script", ["launch", "--", PY, "/no/such.py"], None, "script"),
+      ("workers_not_int", ["launch", "--workers", "two", "--", PY], None,
+       "--workers"),
+      ("bad_tf_config_info", ["info"], {"TF_CONFIG": "{bad"}, "TF_CONFIG"),
+      ("bad_slurm_info", ["info"], {**_SLURM_STEP, "SLURM_PROCID": "x"},
+       "SLURM_PROCID"),
       ("launch_port_base_privileged", ["launch", "--port-base", "80", "--",
-                                       PY, "-c", "pass"], "--port-base"),
+                                       PY, "-c", "pass"], None, "--port-base"),
       ("launch_zero_grace", ["launch", "--grace-seconds", "0", "--", PY, "-c",
-                             "pass"], "--grace-seconds"),
+                             "pass"], None, "--grace-seconds"),
       ("launch_negative_ps", ["launch", "--ps", "-1", "--", PY, "-c", "pass"],
-       "--ps"),
+       None, "--ps"),
       ("slurm_zero_nodes", ["slurm", "--nodes", "0", "--", "python", "t.py"],
-       "nodes"),
+       None, "nodes"),
       ("slurm_unknown_role", ["slurm", "--roles", "boss=1", "--", "python",
-                              "t.py"], "roles"),
+                              "t.py"], None, "roles"),
       ("slurm_unknown_preset", ["slurm", "--preset", "nope", "--", "python",
-                                "t.py"], "--preset"),
+                                "t.py"], None, "--preset"),
       ("slurm_output_in_missing_dir", ["slurm", "-o", "/nonexistent/d/x.sbatch",
-                                       "--", "python", "t.py"], "--output"),
+                                       "--", "python", "t.py"], None,
+       "--output"),
       ("bench_plot_in_missing_dir", ["bench", "--quick", "--plot",
-                                     "/nonexistent/x.png"], "--plot"),
+                                     "/nonexistent/x.png"], None, "--plot"),
+      # The absl example scripts (tfdist.flags.run) answer the same way.
+      ("example_misspelt_strategy", [_example("keras_fit.py"),
+                                     "--strategy=mirorred"], None,
+       "strategy"),
+      ("example_task_index_out_of_hosts",
+       [_example("keras_fit.py"), "--worker_hosts=127.0.0.1:1,127.0.0.1:2",
+        "--task_index=2"], None, "task_index"),
+      ("example_bad_tf_config", [_example("keras_fit.py")],
+       {"TF_CONFIG": '{"cluster": {"worker": ["h"]}}'}, "cluster.worker"),
+      ("example_bad_slurm_hostlist", [_example("custom_loop.py")],
+       {**_SLURM_STEP, "SLURM_STEP_NODELIST": "n[1-"}, "NODELIST"),
+      ("example_parameter_server_without_ps",
+       [_example("parameter_server.py")],
+       {"TF_CONFIG": json.dumps({"cluster": W2, "task": {"type": "worker",
+                                                         "index": 0}})},
+       "cluster"),
+      ("example_tpu_without_tpu", [_example("keras_fit.py"),
+                                   "--strategy=tpu",
+                                   "--tpu=grpc://127.0.0.1:1"], None, "TPU"),
   )
-  def test_exit_2_one_line(self, argv, field):
-    with tempfile.TemporaryDirectory() as d:
-      env = cluster_utils.base_env({"TF_CONFIG": "{bad"} if argv == ["info"]
-                                   else None)
-      r = subprocess.run([PY, "-m", "tfdist", *argv], env=env, cwd=d,
-                         capture_output=True, text=True, timeout=120)
+  def test_exit_2_one_line(self, argv, env, field):
+    if not argv[0].startswith("/"):
+      argv = ["-m", "tfdist", *argv]
+    with tempfile.TemporaryDirectory() as d, \
+        tempfile.TemporaryDirectory() as home:
+      r, left = cluster_utils.run_alone(
+          [PY, *argv], env=cluster_utils.base_env({**(env or {}),
+                                                   "HOME": home}),
+          cwd=d, timeout=120)
       self.assertEqual(os.listdir(d), [])  # Nothing written.
+      self.assertEqual(set(os.listdir(home)) - LIBRARY_CACHES, set())
+    self.assertEqual(left, [])  # No process left behind.
     self.assertEqual(r.returncode, 2, r.stdout + r.stderr)
     lines = [l for l in r.stderr.splitlines() if l.startswith("tfdist:")]
     self.assertLen(lines, 1, r.stderr)
     self.assertIn(field, lines[0])
+
+  def test_launch_port_taken(self):
+    with socket.socket() as held, tempfile.TemporaryDirectory() as d:
+      held.bind(("127.0.0.1", 0))
+      held.listen()
+      port = held.getsockname()[1]
+      r, left = cluster_utils.run_alone(
+          [PY, "-m", "tfdist", "launch", "--port-base", str(port), "--", PY,
+           "-c", "pass"], env=cluster_utils.base_env(), cwd=d, timeout=60)
+      self.assertEqual(os.listdir(d), [])
+    self.assertEqual(left, [])
+    self.assertEqual(r.returncode, 2, r.stderr)
+    self.assertRegex(r.stderr.strip(), rf"^tfdist: .*port {port}")
 
 
 class CheckpointIntegrityTest(parameterized.TestCase):

@@ -82,8 +82,10 @@ class ExamplesTest(parameterized.TestCase):
 
   def test_tpu_vm_command_stops_at_tpu_system_initialization(self):
     r = _run(_command("keras_fit.py", "--strategy=tpu", "--tpu=local"))
-    self.assertEqual(r.returncode, 1)
-    self.assertIn("TPU system initialization failed", r.stderr)
+    self.assertEqual(r.returncode, 2, r.stderr[-3000:])
+    last = r.stderr.strip().splitlines()[-1]
+    self.assertStartsWith(last, "tfdist: ")
+    self.assertIn("TPU system initialization failed", last)
 
   def test_bad_flag_is_one_line_exit_two(self):
     r = _run(_command("keras_fit.py", "--strategy=mirorred"))

@@ -36,7 +36,7 @@ Example::
       model.compile(..., **run.compile_kwargs())
 
   if __name__ == "__main__":
-    app.run(main, flags_parser=tfdist.flags.parse_flags)
+    tfdist.flags.run(main)   # app.run, bad input -> "tfdist: ..." + exit 2.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from absl import flags
 from tfdist.cluster import tpu as tpu_lib
 from tfdist.cluster.tf_config import parse_tf_config
 from tfdist.errors import ConfigError
+from tfdist.errors import TpuUnavailableError
 from tfdist.cluster.slurm import parse_roles
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "MIXED_PRECISION_POLICIES",
     "define_flags",
     "parse_flags",
+    "run",
     "strategy_config",
     "cluster_from_flags",
     "strategy_from_flags",
@@ -191,12 +193,16 @@ class TrainingOptions:
             "steps_per_execution": self.steps_per_execution}
 
 
-def define_flags(flag_values: FlagValues = _FLAGS) -> FlagHolders:
+def define_flags(flag_values: FlagValues = _FLAGS, *,
+                 default_strategy: str = "auto") -> FlagHolders:
   """Defines the strategy and training flags, with their validators.
 
   Args:
     flag_values: where to define them; tests pass a fresh
       ``flags.FlagValues()``.
+    default_strategy: ``--strategy``'s default, one of `STRATEGY_CHOICES`;
+      a script written for one strategy names it, so a cluster that does not
+      fit fails clearly instead of running another strategy.
 
   Returns:
     The `FlagHolders`.
@@ -207,7 +213,7 @@ def define_flags(flag_values: FlagValues = _FLAGS) -> FlagHolders:
   fv = flag_values
   holders = FlagHolders(
       strategy=flags.DEFINE_enum(
-          "strategy", "auto", STRATEGY_CHOICES,
+          "strategy", default_strategy, STRATEGY_CHOICES,
           "Distribution strategy; 'auto' picks one from the cluster (TF_CONFIG,"
           " SLURM, TPU) and the local devices, 'off' is the default strategy.",
           flag_values=fv, case_sensitive=False),
@@ -439,6 +445,29 @@ def parse_flags(argv: Sequence[str], flag_values: FlagValues = _FLAGS
   except flags.Error as e:
     print(f"tfdist: {e}", file=sys.stderr)
     sys.exit(2)
+
+
+def run(main: Callable[[list[str]], Any]) -> None:
+  """``app.run(main)`` with tfdist's answers to bad input.
+
+  A bad flag (`parse_flags`), and a `ConfigError` or `TpuUnavailableError`
+  from ``main`` (a malformed TF_CONFIG or SLURM variable, a strategy that
+  does not fit the cluster, a TPU that is not there), print one line
+  ``tfdist: ...`` on stderr and exit with code 2, as the ``tfdist`` command
+  does. Other errors keep their traceback.
+
+  Args:
+    main: the program's ``main(argv)``.
+  """
+  def guarded(argv):
+    try:
+      return main(argv)
+    except (ConfigError, TpuUnavailableError) as e:
+      print("tfdist: " + " ".join(str(e).split()), file=sys.stderr)
+      sys.exit(2)
+
+  from absl import app  # pylint: disable=g-import-not-at-top
+  app.run(guarded, flags_parser=parse_flags)
 
 
 def strategy_config(flag_values: FlagValues = _FLAGS) -> StrategyConfig:
