@@ -54,6 +54,8 @@ _COMMANDS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol",
              "sinfo", "squeue", "scancel")
 _PACKAGES = ("slurm-wlm", "munge")
 _INSTALL_TIMEOUT_S = 900
+#: See `LocalSlurm.release_requeued`: more than slurmd's one-second resolution.
+_REQUEUE_RELEASE_DELAY_S = 2.0
 _NOT_CHECKED = object()
 _unavailable_reason: object = _NOT_CHECKED  # Cached str, or None when usable.
 
@@ -499,6 +501,27 @@ class LocalSlurm:
   def _cancel_all(self) -> None:
     subprocess.run([_which("scancel"), "--full", "--partition=debug"],
                    env=self.env, capture_output=True, timeout=30, check=False)
+
+  def release_requeued(self, job: str) -> None:
+    """Starts a requeued, pending job now instead of after SLURM's hold.
+
+    Call it once the job is PENDING again. SLURM holds a requeued job
+    (BeginTime about 121 s ahead) because slurmd revoked the job's credential
+    when it killed the previous run and compares whole seconds: a launch in
+    the same second as that kill is refused ("Job N already killed, do not
+    launch batch job") and the job ends FAILED. So this waits 2 s first.
+
+    Args:
+      job: the job id, or ``ARRAYID_TASKID`` for an array element.
+    """
+    time.sleep(_REQUEUE_RELEASE_DELAY_S)
+    proc = subprocess.run(
+        [_which("scontrol"), "update", f"JobId={job}", "StartTime=now"],
+        env=self._env(None), capture_output=True, text=True, timeout=30,
+        check=False)
+    if proc.returncode != 0:
+      raise SlurmError(f"scontrol update JobId={job} StartTime=now failed: "
+                       f"{proc.stderr}")
 
   def scontrol_hostnames(self, text: str) -> HostnamesResult:
     """``scontrol show hostnames TEXT`` with this cluster's slurm.conf."""

@@ -62,10 +62,13 @@ class TemplatesInSyncTest(parameterized.TestCase):
       text = f.read()
     for line in ("#SBATCH --requeue", "#SBATCH --open-mode=append",
                  "#SBATCH --output=%x-%j.out", "trap on_usr1 USR1",
-                 'scontrol requeue "${SLURM_JOB_ID}"'):
+                 'scontrol requeue "${job}"',
+                 'job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
+                 "if (( requeue && status == 42 )); then"):
       self.assertIn(line, [l.strip() for l in text.splitlines()])
     self.assertRegex(text, r"(?m)^#SBATCH --signal=B:USR1@\d+$")
-    self.assertRegex(text, r'(?m)^srun .*"\$\{command\[@\]\}" &$')
+    self.assertRegex(
+        text, r'(?m)^srun --kill-on-bad-exit=0 .*"\$\{command\[@\]\}" &$')
     check = subprocess.run(["bash", "-n", _template(preset)],
                            capture_output=True, text=True, check=False)
     self.assertEqual(check.returncode, 0, check.stderr)
@@ -120,7 +123,7 @@ class SbatchSpecTest(parameterized.TestCase):
     self.assertEqual(spec.roles, "chief=1,ps=1,worker=2")
     text = slurm_script.render(spec)
     self.assertIn("export TFDIST_SLURM_ROLES=chief=1,ps=1,worker=2\n", text)
-    self.assertIn("srun --kill-on-bad-exit=1 --wait=60 ", text)
+    self.assertIn("srun --kill-on-bad-exit=0 --wait=60 ", text)
 
   def test_command_is_shell_quoted(self):
     spec = slurm_script.SbatchSpec(command=("python", "t.py", "--x=a b", "$HOME"))
@@ -314,8 +317,8 @@ class TemplatesOnRealSlurmTest(parameterized.TestCase):
 
     ``scancel --batch --signal=USR1`` sends what SLURM sends at the
     ``--signal`` time, without waiting for a time limit. SLURM holds a
-    requeued job for a while before it may start again; the test moves its
-    start time to now to see the second run.
+    requeued job for a while before it may start again; the test starts it
+    2 s after the requeue to see the second run.
     """
     out_dir = _tempdir(self)
     output_path = os.path.join(out_dir, "job-%j.out")
@@ -358,7 +361,7 @@ class TemplatesOnRealSlurmTest(parameterized.TestCase):
                        env=env, check=True, timeout=30)
         signalled = True
       if not released and restarts and state == "PENDING":
-        scontrol("update", f"JobId={job_id}", "StartTime=now")
+        self.slurm.release_requeued(job_id)
         released = True
       time.sleep(0.3)
 

@@ -11,9 +11,16 @@ Every script:
   SLURM's variables (see `tfdist.cluster.slurm`);
 * asks SLURM for ``--signal=B:USR1@N``: USR1 goes to the batch shell N
   seconds before the time limit, and its trap forwards it to ``srun``, which
-  forwards it to every task, so the tasks can checkpoint and exit; the job is
-  then requeued (``--requeue``) and resumes from the checkpoint. Without
-  ``B:`` SLURM would signal the tasks itself, but nothing would requeue;
+  forwards it to every task, so the tasks can checkpoint and exit with
+  `tfdist.errors.PREEMPTED_EXIT_CODE` (42); when ``srun`` exits with that
+  code the shell requeues the job once (``--requeue``; an array element by
+  ``ARRAYID_TASKID``, since one element's ``SLURM_JOB_ID`` is the array's id,
+  which names every element) and it resumes from the checkpoint. Tasks that
+  finished or failed are not run again. Without ``B:`` SLURM would signal the
+  tasks itself, but nothing would requeue;
+* runs ``srun --kill-on-bad-exit=0``: a task that saved exits 42, a bad exit
+  to SLURM, and with ``=1`` srun would kill the peers still saving or
+  exiting;
 * appends to one output file per job (``--open-mode=append``, ``%x-%j.out``),
   so the runs of a requeued job follow each other;
 * reads ``TFDIST_COMMAND``, when set, instead of the rendered command, split
@@ -40,6 +47,7 @@ from typing import Mapping, Sequence
 
 from tfdist.cluster.slurm import parse_roles
 from tfdist.errors import ConfigError
+from tfdist.errors import PREEMPTED_EXIT_CODE
 
 __all__ = [
     "SbatchSpec",
@@ -293,17 +301,23 @@ def _command_lines(spec: SbatchSpec) -> list[str]:
 
 
 def _signal_lines(spec: SbatchSpec) -> list[str]:
-  after = ("then requeues the job, which resumes from the checkpoint when it "
-           "starts again." if spec.requeue else
-           "the job is not requeued (--no-requeue).")
+  code = PREEMPTED_EXIT_CODE
+  after = ([f"# The script waits for srun and, if it exited {code}, requeues "
+            "the job, which resumes",
+            "# from the checkpoint when it starts again; tasks that finished "
+            "(0) or failed are not",
+            "# run again."]
+           if spec.requeue else
+           ["# The script waits for srun; the job is not requeued "
+            "(--no-requeue)."])
   lines = [
       f"# {spec.signal_seconds} s before the time limit SLURM sends USR1 to "
       "this shell (the B: in",
       "# --signal). The trap forwards it to srun, which forwards it to every "
       "task: that is",
-      "# the tasks' cue to save a checkpoint and exit. The script waits for "
-      "them, and",
-      f"# {after}",
+      "# the tasks' cue to save a checkpoint and exit with code "
+      f"{code} (tfdist.PREEMPTED_EXIT_CODE).",
+      *after,
       "srun_pid=",
       "requeue=0",
       "on_usr1() {",
@@ -317,10 +331,18 @@ def _signal_lines(spec: SbatchSpec) -> list[str]:
 
 
 def _run_lines(spec: SbatchSpec) -> list[str]:
-  options = ["--kill-on-bad-exit=1"]
+  code = PREEMPTED_EXIT_CODE
+  options = ["--kill-on-bad-exit=0"]
   if spec.roles and parse_roles(spec.roles).get("ps"):
     options.append(f"--wait={_PS_WAIT_SECONDS}")
-  lines = []
+  lines = [
+      f"# --kill-on-bad-exit=0: a task that saved exits {code}, a bad exit "
+      "to SLURM, and with",
+      "# =1 srun would kill the tasks still saving or exiting (their code "
+      "then reads as",
+      "# Terminated). tfdist tasks end by themselves when a peer is lost "
+      "(WorkerLostError).",
+  ]
   if len(options) > 1:
     lines += [
         "# ps and worker tasks end by themselves once the chief is done; "
@@ -330,14 +352,24 @@ def _run_lines(spec: SbatchSpec) -> list[str]:
   lines += [
       f'srun {" ".join(options)} "${{command[@]}}" &',
       "srun_pid=$!",
-      "# wait returns early when the trap runs; wait again until srun has "
-      "exited.",
+      "# wait returns early (128+10) when the trap runs: wait until srun has "
+      "exited, then",
+      "# once more for its exit status.",
+      'while kill -0 "${srun_pid}" 2>/dev/null; do wait "${srun_pid}"; done',
       'wait "${srun_pid}"; status=$?',
-      'while kill -0 "${srun_pid}" 2>/dev/null; do wait "${srun_pid}"; '
-      "status=$?; done",
-      "if (( requeue )); then",
-      '  echo "tfdist: requeueing job ${SLURM_JOB_ID}" >&2',
-      '  scontrol requeue "${SLURM_JOB_ID}"',
+      f"if (( requeue && status == {code} )); then",
+      "  # In an array, SLURM_JOB_ID of one element is the array's id, which "
+      "names every",
+      "  # element: ARRAYID_TASKID names this element only.",
+      '  job="${SLURM_JOB_ID}"',
+      '  if [[ -n "${SLURM_ARRAY_TASK_ID:-}" ]]; then',
+      '    job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
+      "  fi",
+      '  echo "tfdist: requeueing job ${job}" >&2',
+      '  scontrol requeue "${job}"',
+      "elif (( requeue )); then",
+      '  echo "tfdist: not requeueing: srun exited ${status}, not '
+      f'{code} (preempted)" >&2',
       "fi",
       'exit "${status}"',
   ]

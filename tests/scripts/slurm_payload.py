@@ -7,8 +7,10 @@ and prints one short ``RESULT {json}`` line per task. Modes:
   imports no TensorFlow, so it is quick.
 * ``strategy``: builds the strategy with `tfdist.flags.strategy_from_flags`
   and all-reduces each replica's id + 1.
-* ``signal``: waits for USR1 (what the template's trap forwards), reports it,
-  and on a requeued run (SLURM_RESTART_COUNT > 0) exits at once.
+* ``signal``: waits for USR1 (what the template's trap forwards), reports it
+  and then exits with ``--payload_usr1_exit`` (42, tfdist's preempted code,
+  unless told otherwise); on a requeued run (SLURM_RESTART_COUNT > 0) it
+  reports and exits 0 at once.
 """
 
 import json
@@ -24,6 +26,8 @@ import tfdist.flags
 _MODE = flags.DEFINE_enum("payload_mode", "resolve",
                           ["resolve", "strategy", "signal"], "what to do")
 _WAIT = flags.DEFINE_float("payload_wait", 60.0, "signal mode: max seconds")
+_USR1_EXIT = flags.DEFINE_integer(
+    "payload_usr1_exit", 42, "signal mode: exit code after USR1 came")
 
 
 def _report(**extra):
@@ -46,6 +50,8 @@ def main():
       while not got and time.time() < deadline:
         time.sleep(0.1)
     _report(usr1=bool(got))
+    if got:
+      sys.exit(_USR1_EXIT.value)
     return
   if _MODE.value == "resolve":
     info = tfdist.flags.cluster_from_flags()
