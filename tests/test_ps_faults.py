@@ -32,6 +32,7 @@ import pytest
 import tensorflow as tf
 
 import cluster_utils
+from tfdist.errors import PREEMPTED_EXIT_CODE
 from tfdist.errors import WorkerLostError
 from tfdist.training import fit as fit_lib
 
@@ -124,6 +125,9 @@ class Cluster:
 
   def kill(self, index):
     os.killpg(self._procs[index].pid, signal.SIGKILL)
+
+  def signal(self, index, signum):
+    self._procs[index].send_signal(signum)
 
   def wait(self, index, timeout):
     """The exit code of task ``index``, which must end within ``timeout``."""
@@ -282,6 +286,44 @@ class PsLostTest(absltest.TestCase):
     self.assertEqual(out["start"], saved)
     self.assertEqual(out["scheduled"], epochs * STEPS - saved)
     self.assertEqual(out["iterations"], epochs * STEPS)
+
+
+@pytest.mark.timeout(240)
+class PreemptedTest(absltest.TestCase):
+
+  def test_usr1_to_every_task_saves_exits_42_and_resumes(self):
+    """As srun forwards SLURM's USR1: every task gets it at once. The servers
+    keep serving while the chief saves (the backup reads the ps), then end;
+    the chief exits 42 and a relaunch resumes at the saved step."""
+    epochs = 3
+    with tempfile.TemporaryDirectory() as d:
+      backup = os.path.join(d, "b")
+      configs = _configs()
+      args = [backup, "--epochs", str(epochs), "--backup-every", "1000",
+              "--no-reads"]
+      with Cluster(configs, [*args, "--sleep", "0.3"], d) as c:
+        c.start(CHIEF, WORKER0, WORKER1, PS)
+        c.wait_for(CHIEF, lambda l: _scheduled(l) >= 4, 150)
+        for index in (PS, WORKER0, WORKER1, CHIEF):
+          c.signal(index, signal.SIGUSR1)
+        codes = [c.wait(i, 60) for i in (CHIEF, WORKER0, WORKER1, PS)]
+        chief_err = c.stderr(CHIEF)
+        ps_err = c.stderr(PS)
+        served = [("served" in c.lines(i)) for i in (WORKER0, WORKER1, PS)]
+      saved = _latest_checkpoint_number(backup)
+      with Cluster(configs, [*args, "--sleep", "0"], d) as c:
+        c.start(CHIEF, WORKER0, WORKER1, PS)
+        self.assertEqual(c.wait(CHIEF, 150), 0, _tail(c.stderr(CHIEF)))
+        out = c.json(CHIEF)
+    self.assertEqual(codes, [PREEMPTED_EXIT_CODE, 0, 0, 0], _tail(chief_err))
+    self.assertEqual(served, [True] * 3)
+    self.assertIn("SIGUSR1 received by ps:0: serving until the chief", ps_err)
+    self.assertIn("checkpoint saved at step", chief_err)
+    self.assertBetween(saved, 4, epochs * STEPS - 1)
+    # Resumed at the saved position, counted on the coordinator; Keras's
+    # optimizer.iterations may read low when steps overlap
+    # (docs/fault_tolerance.md, "Known limits").
+    self.assertEqual(out["scheduled"], epochs * STEPS - saved)
 
 
 @pytest.mark.timeout(120)

@@ -5,12 +5,21 @@ Under ParameterServerStrategy the same script runs on every task. The chief
 only host a `tf.distribute.Server` that the chief drives. `serve` runs that
 server until the chief has come and gone, so a task ends by itself (under
 ``srun`` as under ``tfdist launch``) instead of blocking forever.
+
+A preemption signal (SIGTERM, SIGUSR1) reaches every task of a SLURM step or
+a launcher's process groups at once; the chief then saves a backup, which
+reads the variables the ps tasks hold. So while serving, those signals are
+logged, not obeyed: the servers end once the chief has saved and gone.
 """
 
 from __future__ import annotations
 
+import signal
 import socket
+import threading
 import time
+
+from absl import logging
 
 import tensorflow as tf
 
@@ -18,6 +27,7 @@ from tfdist.cluster import resolve as resolve_lib
 from tfdist.cluster.info import ClusterInfo
 from tfdist.errors import ConfigError
 from tfdist.errors import StartupTimeoutError
+from tfdist.training.preemption import PREEMPTION_SIGNALS
 
 __all__ = ["start_server", "serve", "DEFAULT_CHIEF_TIMEOUT"]
 
@@ -67,12 +77,18 @@ def serve(cluster: resolve_lib.ClusterLike | None = None, *,
   info = resolve_lib.resolve_cluster(cluster)
   server = start_server(info)
   del server  # Kept alive by the TensorFlow runtime until the process ends.
+  me = f"{info.task_type}:{info.task_id}"
+  if threading.current_thread() is threading.main_thread():
+    for signum in PREEMPTION_SIGNALS:
+      signal.signal(signum, lambda n, _: logging.warning(
+          "tfdist: %s received by %s: serving until the chief has saved "
+          "and ended", signal.Signals(n).name, me))
   chief = info.cluster["chief"][0]
   deadline = time.monotonic() + chief_timeout
   while not _reachable(chief):
     if time.monotonic() > deadline:
       raise StartupTimeoutError(
-          f"{info.task_type}:{info.task_id}: the chief at {chief} did not "
+          f"{me}: the chief at {chief} did not "
           f"start within {chief_timeout:g} s ({info.origin}); start it, or "
           "check its address")
     time.sleep(poll_seconds)

@@ -76,6 +76,11 @@ class PreemptionWatcher:
     return self
 
   def __exit__(self, *exc) -> None:
+    if self._stop:
+      # Preempted: the process is on its way out with code 42. A second
+      # signal (srun, a launcher stopping the other tasks) is only logged,
+      # so it cannot turn that exit into "killed by SIGTERM".
+      return
     for signum, previous in self._previous.items():
       # A handler TensorFlow set in C++ reads as None: fall back to the
       # default action, which at least ends the process.
