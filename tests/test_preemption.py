@@ -8,6 +8,7 @@ exactly the steps due and the weights of an uninterrupted run.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -155,10 +156,11 @@ class PreemptionTest(parameterized.TestCase):
       self.assertEqual(codes, [PREEMPTED_EXIT_CODE] * 2,
                        tasks.stderr(0) + tasks.stderr(1))
       self.assertLess(seconds, 30)
-      # Both saved at the same step (the chief's checkpoint names it).
-      saved = [int(line.split()[1]) for line in tasks.lines[0]
-               if line.startswith("step ")][-1]
-      self.assertIn("checkpoint saved at step", tasks.stderr(1))
+      # Both saved at the same step.
+      saved = [int(re.findall(r"checkpoint saved at step (\d+)",
+                              tasks.stderr(i))[-1]) for i in (0, 1)]
+      self.assertEqual(saved[0], saved[1])
+      self.assertGreaterEqual(saved[0], 5)
       resumed = run_to_end(cluster_utils.worker_configs(2),
                            [*args, "--sleep", "0"], d)
     for out in resumed:
@@ -166,7 +168,7 @@ class PreemptionTest(parameterized.TestCase):
       np.testing.assert_allclose(out["weights"], reference["weights"],
                                  atol=TOLERANCE)
     if loop == "runner":
-      self.assertEqual(resumed[0]["start"], saved)
+      self.assertEqual(resumed[0]["start"], saved[0])
 
   @parameterized.parameters("fit", "keras")
   def test_single_process_preempted_twice(self, loop):
@@ -184,6 +186,35 @@ class PreemptionTest(parameterized.TestCase):
     self.assertEqual(out["iterations"], 18)
     np.testing.assert_allclose(out["weights"], self.fit_reference["weights"],
                                atol=TOLERANCE)
+
+
+@pytest.mark.timeout(180)
+class AgreementTest(parameterized.TestCase):
+  """Workers agree about once per check_seconds, at the same steps."""
+
+  @parameterized.named_parameters(
+      # 10 ms steps, agreements every ~0.2 s: about one per 20 steps.
+      ("rare_agreements", 0.2, 0.01, 60, 20),
+      # check_seconds=0: an agreement at every step, as before.
+      ("every_step", 0.0, 0.01, 60, 1),
+  )
+  def test_same_stop_step_with_few_all_reduces(self, check, sleep, signal_at,
+                                               steps_per_agreement):
+    results = cluster_utils.run_cluster(
+        "agreement.py", cluster_utils.worker_configs(2),
+        args=[str(check), str(sleep), str(signal_at)], timeout=150)
+    outs = [r.json() for r in results]
+    for r in results:
+      self.assertEqual(r.returncode, 0, r.stderr[-3000:])
+    # Both stop at one step, at or after the signal, within one interval.
+    self.assertEqual(outs[0]["stopped"], outs[1]["stopped"])
+    self.assertEqual(outs[0]["agreements"], outs[1]["agreements"])
+    stopped = outs[0]["stopped"]
+    self.assertBetween(stopped, signal_at, signal_at + 3 * steps_per_agreement)
+    if steps_per_agreement == 1:
+      self.assertEqual(outs[0]["agreements"], stopped)
+    else:
+      self.assertLess(outs[0]["agreements"], stopped / 4)
 
 
 if __name__ == "__main__":
