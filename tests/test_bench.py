@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from tests import cluster_utils
+from tfdist.bench import allreduce
 from tfdist.bench import report as report_lib
 from tfdist.bench import scaling
 
@@ -67,9 +68,24 @@ def test_report_is_well_formed(quick_report):
   assert report["config"]["quick"] is True
   assert set(report["raw"]["overhead"]) == {"fit", "keras_fit", "runner"}
   sweep = report["raw"]["allreduce"]["sweep"]
-  assert set(sweep) == {"none", "fp16", "bf16"}
+  assert set(sweep) == set(allreduce.METHODS)
+  assert {"none", "fp16", "bf16", "socket", "socket_fp16",
+          "socket_bf16"} <= set(sweep)
   assert report["raw"]["allreduce"]["loopback_bytes_per_s"] > 0
+  assert report["raw"]["allreduce"]["method"] == allreduce.method_name(
+      scaling.RECOMMENDED["transport"], scaling.RECOMMENDED["compression"])
   assert report["raw"]["scaling"]["worker_counts"][:2] == [1, 2]
+  assert report["config"]["recommended_options"] == scaling.RECOMMENDED
+
+
+def test_workers_are_pinned_one_core_each(quick_report):
+  pinning = quick_report["report"]["config"]["pinning"]
+  assert pinning["pinned"] is True
+  cores = os.sched_getaffinity(0)
+  for n, by_worker in pinning["cores_by_workers"].items():
+    assert len(by_worker) == int(n)
+    for worker, pinned in by_worker.items():
+      assert pinned == [sorted(cores)[int(worker) % len(cores)]]
 
 
 def test_plot_is_a_png(quick_report):

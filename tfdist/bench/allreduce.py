@@ -1,11 +1,18 @@
 """All-reduce bandwidth against a loopback TCP stream.
 
 `sweep` runs inside every worker of a bench cluster (`cluster_worker`): for
-each tensor size it times a float32 tensor's sum over the workers, sent as
-float32 (``none``, what MultiWorkerMirroredStrategy does) or compressed with a
-`tfdist.perf` compression. `loopback_bytes_per_s` times one plain TCP stream
-over 127.0.0.1 in the bench's own process: the most one connection moves on
-this machine.
+each tensor size it times a float32 tensor's sum over the workers, in a
+`tf.function` of ``strategy.run`` as training does, by each entry of
+`METHODS`: TensorFlow's collectives sending float32 (``none``, what
+MultiWorkerMirroredStrategy does) or a `tfdist.perf` compression (``fp16``,
+``bf16``), and tfdist's socket transport (`tfdist.perf.transport`) sending
+float32 (``socket``), float16 (``socket_fp16``) or bfloat16
+(``socket_bf16``), both summing in float32. ``ring`` and ``ring_bf16`` time
+the same socket ring called directly on numpy buffers, outside TensorFlow:
+the transport alone, without the packing copy and the ``tf.function`` /
+``tf.numpy_function`` call. `loopback_bytes_per_s` times one plain TCP
+stream over 127.0.0.1 in the bench's own process: the most one connection
+moves on this machine.
 
 Figures, for a float32 tensor of S bytes reduced in t seconds over n workers:
 
@@ -23,54 +30,125 @@ import threading
 import time
 from typing import Sequence
 
-__all__ = ["sweep", "loopback_bytes_per_s", "summarize"]
+__all__ = ["METHODS", "method_name", "sweep", "loopback_bytes_per_s",
+           "summarize"]
 
 _MB = 1 << 20
+_LOOP_MB = 16  # Tensors below this are reduced several times per call.
+
+#: Sweep entries: name -> (how, compression); ``how`` is a transport of
+#: `tfdist.perf.TRANSPORTS` (through TensorFlow, as training calls it) or
+#: ``ring`` (the socket ring called directly, outside TensorFlow).
+METHODS: dict[str, tuple[str, str]] = {
+    "none": ("collective", "none"),
+    "fp16": ("collective", "fp16"),
+    "bf16": ("collective", "bf16"),
+    "socket": ("socket", "none"),
+    "socket_fp16": ("socket", "fp16"),
+    "socket_bf16": ("socket", "bf16"),
+    "ring": ("ring", "none"),
+    "ring_bf16": ("ring", "bf16"),
+}
+_WIRE = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
-def sweep(strategy, *, sizes_mb: Sequence[float], compressions: Sequence[str],
+def method_name(transport: str, compression: str) -> str:
+  """The `METHODS` entry of a transport and compression."""
+  return next(k for k, v in METHODS.items() if v == (transport, compression))
+
+
+def _reduce_fn(strategy, method: str, sources, repeats: int):
+  """A function summing ``sources`` over the workers ``repeats`` times.
+
+  ``sources`` are the halves of the tensor, reduced in one call as an
+  optimizer reduces a model's gradients (TensorFlow packs them into one
+  collective, the socket transport into one buffer). Through TensorFlow the
+  repeats are a ``tf.range`` loop in one ``tf.function`` call, as a training
+  loop of several steps runs, so the call's fixed cost is shared.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist import perf  # pylint: disable=g-import-not-at-top
+  from tfdist.perf import transport  # pylint: disable=g-import-not-at-top
+  kind, compression = METHODS[method]
+  codec = perf.get_compression(compression)
+  options = perf.GradientOptions()
+  if kind == "ring":
+    ring = transport.ring_for(
+        strategy, connect_timeout_s=options.socket_connect_timeout_seconds,
+        timeout_s=options.socket_timeout_seconds)
+    with tf.init_scope():
+      buffer = tf.concat([tf.identity(s) for s in sources], 0).numpy()
+    out = np.empty_like(buffer)
+
+    def run_ring():
+      for _ in range(repeats):
+        ring.all_reduce(buffer, wire=_WIRE[compression], out=out)
+    return run_ring
+  if kind == "socket":
+
+    def reduce_once():
+      summed = transport.socket_all_reduce(
+          [tf.identity(s) for s in sources], compression=compression,
+          connect_timeout_s=options.socket_connect_timeout_seconds,
+          timeout_s=options.socket_timeout_seconds, fallback=None)
+      return tf.reduce_sum(summed[0][:1])
+  else:
+
+    def reduce_once():
+      ctx = tf.distribute.get_replica_context()
+      wire = [codec.encode(tf.identity(s)) for s in sources]
+      summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, wire)
+      return tf.reduce_sum(codec.decode(summed[0], tf.float32)[:1])
+
+  @tf.function
+  def loop():
+    total = tf.constant(0.0)
+    for _ in tf.range(repeats):
+      total += strategy.experimental_local_results(
+          strategy.run(reduce_once))[0]
+    return total
+
+  return loop
+
+
+def sweep(strategy, *, sizes_mb: Sequence[float], methods: Sequence[str],
           iterations: int) -> dict:
-  """Times all-reduces of each size and compression; medians of iterations.
+  """Times all-reduces of each size and method; medians of iterations.
 
   Args:
     strategy: a MultiWorkerMirroredStrategy with more than one worker.
     sizes_mb: float32 tensor sizes in MiB.
-    compressions: `tfdist.perf.COMPRESSIONS` names.
-    iterations: timed all-reduces per (size, compression), after one warm-up.
+    methods: `METHODS` names.
+    iterations: timed calls per (size, method), after one warm-up; a call
+      reduces a tensor of S MiB round(16 / S) times (at least once).
 
   Returns:
-    ``{compression: {size_mb: {"seconds": ..., "algbw": ..., "busbw": ...}}}``
+    ``{method: {size_mb: {"seconds": ..., "algbw": ..., "busbw": ...}}}``
     with bandwidths in bytes per second.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdist import perf  # pylint: disable=g-import-not-at-top
   n = strategy.num_replicas_in_sync
-  out: dict[str, dict] = {c: {} for c in compressions}
+  out: dict[str, dict] = {m: {} for m in methods}
   for size in sizes_mb:
     elements = int(size * _MB) // 4
+    repeats = max(1, round(_LOOP_MB / size))
     with tf.init_scope():
-      source = tf.Variable(tf.ones([elements], tf.float32), trainable=False)
-    for name in compressions:
-      codec = perf.get_compression(name)
-
-      def reduce_once(codec=codec, source=source):
-        ctx = tf.distribute.get_replica_context()
-        wire = codec.encode(tf.identity(source))
-        return tf.reduce_sum(codec.decode(
-            ctx.all_reduce(tf.distribute.ReduceOp.SUM, wire), tf.float32)[:1])
-
-      fn = tf.function(lambda f=reduce_once: strategy.run(f))
+      sources = [tf.Variable(tf.ones([k], tf.float32), trainable=False)
+                 for k in (elements // 2, elements - elements // 2)]
+    for name in methods:
+      fn = _reduce_fn(strategy, name, sources, repeats)
       fn()  # Warm-up: traces and sets up the collective.
       times = []
       for _ in range(iterations):
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / repeats)
       t = statistics.median(times)
       algbw = elements * 4 / t
       out[name][str(size)] = {"seconds": t, "algbw": algbw,
                               "busbw": algbw * 2 * (n - 1) / n}
-    del source
+    del sources
   return out
 
 
@@ -121,12 +199,17 @@ def loopback_bytes_per_s(total_mb: int = 256, chunk_mb: int = 4,
   return statistics.median(rates)
 
 
-def summarize(sweep_result: dict, loopback: float, *,
-              compression: str) -> dict:
-  """The headline: ``compression``'s median algbw over sizes / loopback."""
-  per_size = sweep_result[compression]
-  algbw = statistics.median(v["algbw"] for v in per_size.values())
-  raw = statistics.median(v["algbw"] for v in sweep_result["none"].values())
-  return {"fraction_of_loopback": algbw / loopback,
-          "raw_fraction_of_loopback": raw / loopback,
+def summarize(sweep_result: dict, loopback: float, *, method: str) -> dict:
+  """The headline: ``method``'s median algbw over sizes / loopback.
+
+  Also every method's fraction (``fractions``), and ``raw_fraction_of_loopback``
+  for TensorFlow's collectives sending float32 (``none``).
+  """
+  fractions = {
+      name: statistics.median(v["algbw"] for v in per_size.values()) / loopback
+      for name, per_size in sweep_result.items()}
+  transport, compression = METHODS[method]
+  return {"fraction_of_loopback": fractions[method],
+          "raw_fraction_of_loopback": fractions["none"],
+          "fractions": fractions, "method": method, "transport": transport,
           "compression": compression}

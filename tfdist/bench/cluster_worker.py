@@ -5,11 +5,22 @@ Run by `tfdist.bench.scaling` with TF_CONFIG set, one process per worker:
   python -m tfdist.bench.cluster_worker --spec '{"variants": [...], ...}'
 
 Every worker runs the same plan; the collectives keep them in step. Worker 0
-prints one JSON line ``{"train": {...}, "allreduce": {...}}``.
+prints one JSON line ``{"train": {...}, "allreduce": {...}}``; every worker
+prints ``{"worker": i, "cores": [...]}``, the cores it ran on.
+
+With ``"pin_cores": true`` worker i binds itself (every thread, and so every
+thread started later) to one core, the i-th of the cores it may use, modulo
+their number, once its loops are built and warm: a 1-worker cluster then
+trains on 1 core, and 2 workers on 2 cores do not share one. The all-reduce
+sweep that follows runs unpinned.
 
 Variants ``raw`` are hand-written tf.distribute code (a `tf.function` loop of
-``strategy.run`` with a plain Keras optimizer); the others run
-`tfdist.Runner` with `tfdist.perf.with_gradient_options`. The strategy is
+``strategy.run`` with a plain Keras optimizer that reduces the loss every
+step, as TensorFlow's custom-loop tutorial does); the others run
+`tfdist.Runner` with `tfdist.perf.with_gradient_options`. They track the loss
+with a Keras ``Mean`` metric, which the Runner reduces once per loop, unless
+the variant says ``"loss_each_step": true`` (the step returns the loss and
+the Runner reduces it every step: one more collective per step). The strategy is
 built once (a process joins one cluster) by `tfdist.make_strategy` with its
 defaults, which is exactly ``tf.distribute.MultiWorkerMirroredStrategy`` with
 default communication options; options that differ are given per all-reduce.
@@ -19,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -31,37 +43,61 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="tfdist.bench.cluster_worker")
   parser.add_argument("--spec", required=True, help="the plan, as JSON")
   spec = json.loads(parser.parse_args(argv).spec)
+  allowed = sorted(os.sched_getaffinity(0))
+  cores = ([allowed[_task_index() % len(allowed)]] if spec.get("pin_cores")
+           else allowed)
+  print(json.dumps({"worker": _task_index(), "cores": cores}), flush=True)
   from tfdist.bench import models  # pylint: disable=g-import-not-at-top
   models.set_threads(spec["intra_threads"], spec["inter_threads"])
   import tfdist  # pylint: disable=g-import-not-at-top
   strategy = tfdist.make_strategy("multi_worker_mirrored")
   out: dict[str, Any] = {"workers": strategy.num_replicas_in_sync}
-  out["train"] = _train(strategy, spec)
+  out["train"] = _train(strategy, spec, cores)
   if spec.get("allreduce_mb") and strategy.num_replicas_in_sync > 1:
     from tfdist.bench import allreduce  # pylint: disable=g-import-not-at-top
+    # Every method moves bytes between the workers, whose threads (gRPC's,
+    # TensorFlow's) do best where the OS puts them: unpinned, as the
+    # loopback stream it is compared with.
+    _set_affinity(allowed)
     out["allreduce"] = allreduce.sweep(
         strategy, sizes_mb=spec["allreduce_mb"],
-        compressions=spec["allreduce_compressions"],
+        methods=spec["allreduce_methods"],
         iterations=spec["allreduce_iterations"])
   if tfdist.is_chief(strategy) or _task_index() == 0:
     print(json.dumps(out), flush=True)
   return 0
 
 
+def _set_affinity(cores: list[int]) -> None:
+  """Binds every thread of this process to ``cores``.
+
+  Threads started later inherit the binding from the thread starting them.
+  """
+  for tid in os.listdir("/proc/self/task"):
+    try:
+      os.sched_setaffinity(int(tid), cores)
+    except OSError:  # A thread that ended meanwhile.
+      pass
+
+
 def _task_index() -> int:
-  import os  # pylint: disable=g-import-not-at-top
   return int(json.loads(os.environ.get("TF_CONFIG", "{}"))
              .get("task", {}).get("index", 0))
 
 
-def _train(strategy, spec: dict) -> dict:
-  """samples/s of every (model, variant), windows interleaved over rounds."""
+def _train(strategy, spec: dict, cores: list[int]) -> dict:
+  """samples/s of every (model, variant), windows interleaved over rounds.
+
+  Building and warming up use every core; the timed windows run on
+  ``cores``.
+  """
   loops = {}
   for name, variants in spec["models"].items():
     for variant in variants:
       loops[(name, variant["name"])] = _make_loop(strategy, name, variant, spec)
   for loop in loops.values():  # Compile and warm up before any timing.
     loop(spec["warmup_steps"])
+  _set_affinity(cores)
   times: dict[tuple[str, str], list[float]] = {k: [] for k in loops}
   keys = list(loops)
   for r in range(spec["rounds"]):
@@ -99,7 +135,8 @@ def _make_loop(strategy, name: str, variant: dict, spec: dict):
     model = model_spec.build()
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
     options = {key: v for key, v in variant.items()
-               if key not in ("name", "accumulation_steps")}
+               if key not in ("name", "accumulation_steps", "loss_each_step")}
+    loss_metric = keras.metrics.Mean("loss")
     if variant["name"] != "raw":
       optimizer = perf.with_gradient_options(
           optimizer, perf.GradientOptions(**options))
@@ -132,13 +169,20 @@ def _make_loop(strategy, name: str, variant: dict, spec: dict):
       return total / tf.cast(n, tf.float32)
 
     return lambda n: loop(tf.constant(n))
+  train_step = perf.accumulating_step(
+      model, optimizer, loss_fn, global_batch_size=global_batch,
+      accumulation_steps=k)
+  metrics = []
+  if not variant.get("loss_each_step"):
+    replicas = strategy.num_replicas_in_sync
+    inner, metrics = train_step, [loss_metric]
+
+    def train_step(batch):  # The loss is reduced once per loop, not per step.
+      loss_metric.update_state(inner(batch)["loss"] * replicas)
+
   runner = tfdist.Runner(
-      strategy=strategy,
-      train_step=perf.accumulating_step(
-          model, optimizer, loss_fn, global_batch_size=global_batch,
-          accumulation_steps=k),
-      train_data=dataset_fn,
-      options=tfdist.RunnerOptions(steps_per_loop=spec["steps"]))
+      strategy=strategy, train_step=train_step, train_data=dataset_fn,
+      metrics=metrics, options=tfdist.RunnerOptions(steps_per_loop=spec["steps"]))
   return lambda n: runner.train(runner.step + n)
 
 

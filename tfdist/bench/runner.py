@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -44,6 +45,8 @@ class BenchConfig:
     loopback_mb: MiB per loopback transfer.
     startup_repeats: start-up runs of each kind.
     timeout_s: limit on any one process group the bench starts.
+    pin_cores: in the scaling clusters, bind worker i to core i modulo the
+      cores (raw and tfdist variants, and the 1-worker baseline alike).
   """
   quick: bool = False
   overhead_steps: int = 100
@@ -56,6 +59,7 @@ class BenchConfig:
   loopback_mb: int = 512
   startup_repeats: int = 3
   timeout_s: float = 600.0
+  pin_cores: bool = True
 
 
 QUICK = BenchConfig(quick=True, overhead_steps=20, overhead_rounds=1,
@@ -83,7 +87,8 @@ def _scaling(c: BenchConfig, results: Results) -> dict:
       quick=c.quick, batch=_BATCH, steps=c.train_steps, warmup_steps=3,
       rounds=c.train_rounds, cluster_repeats=c.cluster_repeats,
       allreduce_mb=list(c.allreduce_mb),
-      allreduce_iterations=c.allreduce_iterations, timeout_s=c.timeout_s)
+      allreduce_iterations=c.allreduce_iterations, timeout_s=c.timeout_s,
+      pin_cores=c.pin_cores)
 
 
 def _allreduce(c: BenchConfig, results: Results) -> dict:
@@ -91,7 +96,9 @@ def _allreduce(c: BenchConfig, results: Results) -> dict:
       c.loopback_mb, repeats=1 if c.quick else 3)
   sweep = results["scaling"]["allreduce_sweep"]
   summary = allreduce_lib.summarize(
-      sweep, loopback, compression=scaling_lib.RECOMMENDED["compression"])
+      sweep, loopback, method=allreduce_lib.method_name(
+          scaling_lib.RECOMMENDED["transport"],
+          scaling_lib.RECOMMENDED["compression"]))
   return {**summary, "loopback_bytes_per_s": loopback, "sweep": sweep}
 
 
@@ -140,6 +147,11 @@ def run(config: BenchConfig, *, json_path: str | None = None,
     log(f"tfdist bench: {name} done in {time.monotonic() - start:.0f} s")
   config_dict = dataclasses.asdict(config)
   config_dict["batch_per_replica"] = _BATCH
+  config_dict["recommended_options"] = scaling_lib.RECOMMENDED
+  config_dict["pinning"] = {
+      "pinned": config.pin_cores,
+      "rule": "scaling worker i on core i % cores, 1 intra-op thread",
+      "cores_by_workers": results["scaling"]["pinning"]["cores_by_workers"]}
   report = report_lib.build(config=config_dict, machine=_machine(), **results)
   report_lib.validate(report)
   if json_path:
@@ -157,13 +169,10 @@ def _check_outputs(json_path: str | None, plot_path: str | None) -> None:
     if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
       raise ConfigError(field=field, value=path, source="tfdist bench",
                         expected="a file in an existing directory")
-  if plot_path:
-    try:
-      import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
-    except ImportError:
-      raise ConfigError(field="--plot", value=plot_path, source="tfdist bench",
-                        expected="matplotlib installed",
-                        hint="pip install 'tfdist[bench]'") from None
+  if plot_path and importlib.util.find_spec("matplotlib") is None:
+    raise ConfigError(field="--plot", value=plot_path, source="tfdist bench",
+                      expected="matplotlib installed",
+                      hint="pip install 'tfdist[bench]'")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,11 @@ alternating windows: ``raw`` (hand-written loop, MultiWorkerMirroredStrategy
 as it comes), ``tfdist`` (the Runner with the recommended options,
 `RECOMMENDED`), and one option changed at a time. The largest cluster also
 runs the all-reduce sweep (`tfdist.bench.allreduce`).
+
+Each worker's timed windows run pinned to its own core (worker i on core i
+modulo the cores; `tfdist.bench.cluster_worker`), raw and tfdist alike, so
+the 1-worker baseline has 1 core and the efficiency measures scaling, not
+core sharing.
 """
 
 from __future__ import annotations
@@ -19,13 +24,15 @@ import json
 import os
 import statistics
 
+from tfdist.bench import allreduce
 from tfdist.bench import procs
 
 __all__ = ["RECOMMENDED", "worker_counts", "variants", "measure"]
 
 #: tfdist's communication options for the ``tfdist`` variant: the measured
-#: best that keeps the update of one step (no accumulation).
-RECOMMENDED = {"compression": "fp16", "bytes_per_pack": 0}
+#: best that keeps the update of one step (no accumulation) and its float32
+#: sums: the socket transport, float32 on the wire.
+RECOMMENDED = {"transport": "socket", "compression": "none"}
 
 
 def worker_counts(cpus: int | None = None) -> list[int]:
@@ -40,13 +47,19 @@ def variants(quick: bool) -> dict[str, list[dict]]:
   if quick:
     return {"mlp": base, "cnn": base}
   mlp = base + [
+      # TensorFlow's collectives through the optimizer hook.
       {"name": "uncompressed", "compression": "none"},
+      {"name": "fp16", "compression": "fp16"},
       {"name": "bf16", "compression": "bf16"},
       {"name": "pack_64k", "compression": "fp16", "bytes_per_pack": 64 << 10},
       {"name": "pack_256k", "compression": "fp16",
        "bytes_per_pack": 256 << 10},
-      {"name": "accumulate_4", "compression": "fp16",
-       "accumulation_steps": 4},
+      # The socket transport with 16-bit wire dtypes.
+      {"name": "socket_fp16", "transport": "socket", "compression": "fp16"},
+      {"name": "socket_bf16", "transport": "socket", "compression": "bf16"},
+      # The Runner reduces the loss every step: one more collective a step.
+      {"name": "loss_each_step", **RECOMMENDED, "loss_each_step": True},
+      {"name": "accumulate_4", **RECOMMENDED, "accumulation_steps": 4},
   ]
   return {"mlp": mlp, "cnn": base}
 
@@ -54,7 +67,8 @@ def variants(quick: bool) -> dict[str, list[dict]]:
 def measure(*, quick: bool, batch: dict[str, int], steps: int,
             warmup_steps: int, rounds: int, cluster_repeats: int,
             allreduce_mb: list[float], allreduce_iterations: int,
-            timeout_s: float, counts: list[int] | None = None) -> dict:
+            timeout_s: float, pin_cores: bool = True,
+            counts: list[int] | None = None) -> dict:
   """Runs every cluster ``cluster_repeats`` times; medians of samples/s."""
   counts = counts or worker_counts()
   plan = variants(quick)
@@ -62,6 +76,7 @@ def measure(*, quick: bool, batch: dict[str, int], steps: int,
       m: {v["name"]: {n: [] for n in counts} for v in vs}
       for m, vs in plan.items()}
   sweep = None
+  cores: dict[str, dict[str, list[int]]] = {}
   for repeat in range(cluster_repeats):
     for n in (counts if repeat % 2 == 0 else counts[::-1]):
       spec = {"intra_threads": 1, "inter_threads": 2, "batch": batch,
@@ -69,16 +84,19 @@ def measure(*, quick: bool, batch: dict[str, int], steps: int,
               "models": plan,
               "allreduce_mb": allreduce_mb if (
                   n == max(counts) and sweep is None) else [],
-              "allreduce_compressions": ["none", "fp16", "bf16"],
-              "allreduce_iterations": allreduce_iterations}
+              "allreduce_methods": list(allreduce.METHODS),
+              "allreduce_iterations": allreduce_iterations,
+              "pin_cores": pin_cores}
       cmd = procs.python_module("tfdist.bench.cluster_worker", "--spec",
                                 json.dumps(spec))
       done = procs.run_all([cmd] * n,
                            [procs.worker_env({"TF_CONFIG": c})
                             for c in procs.tf_configs(n)],
                            timeout_s=timeout_s, what=f"scaling ({n} workers)")
-      result = next(l for d in done for l in procs.json_lines(d.stdout)
-                    if "train" in l)
+      lines = [l for d in done for l in procs.json_lines(d.stdout)]
+      result = next(l for l in lines if "train" in l)
+      cores[str(n)] = {str(l["worker"]): l["cores"] for l in lines
+                       if "cores" in l}
       for model, by_variant in result["train"].items():
         for variant, figures in by_variant.items():
           samples[model][variant][n].append(figures["samples_per_s"])
@@ -101,4 +119,5 @@ def measure(*, quick: bool, batch: dict[str, int], steps: int,
       "mlp_variants_vs_raw": {v: s["2"] / med["mlp"]["raw"]["2"]
                               for v, s in med["mlp"].items()},
       "allreduce_sweep": sweep,
+      "pinning": {"pinned": pin_cores, "cores_by_workers": cores},
   }

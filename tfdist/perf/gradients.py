@@ -12,6 +12,10 @@ on an optimizer instance, so the same optimizer serves Keras ``fit``,
 * ``bytes_per_pack``: the all-reduce packs gradients into chunks of about
   this many bytes (of the wire dtype); 0 sends them as one pack, as
   TensorFlow's default does.
+* ``transport``: ``collective`` (TensorFlow's collectives) or ``socket``
+  (tfdist's ring all-reduce over TCP, `tfdist.perf.transport`: one packed
+  float32 buffer per step, the wire dtype from ``compression``, float32
+  sums; MultiWorkerMirroredStrategy with one replica per worker).
 
 Gradient accumulation lives in `tfdist.perf.accumulation`: Keras's own
 ``gradient_accumulation_steps`` fails under every tf.distribute strategy on
@@ -21,7 +25,7 @@ Example:
   >>> with strategy.scope():
   ...   optimizer = with_gradient_options(
   ...       keras.optimizers.SGD(0.1),
-  ...       GradientOptions(compression="fp16"))
+  ...       GradientOptions(transport="socket"))
   ...   model.compile(optimizer=optimizer, loss="mse")
 """
 
@@ -35,6 +39,7 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 from tfdist.perf import compression as compression_lib
+from tfdist.perf import transport as transport_lib
 
 __all__ = ["GradientOptions", "with_gradient_options", "gradient_options_of"]
 
@@ -48,12 +53,21 @@ class GradientOptions:
 
   Attributes:
     compression: one of `tfdist.perf.COMPRESSIONS`: ``none``, ``fp16``,
-      ``bf16``.
+      ``bf16``: the dtype gradients cross the wire in.
     bytes_per_pack: all-reduce packs of about this many bytes; 0 means one
-      pack.
+      pack. ``collective`` transport only.
+    transport: one of `tfdist.perf.TRANSPORTS`: ``collective`` or
+      ``socket``.
+    socket_connect_timeout_seconds: ``socket`` transport: bound on
+      connecting the workers at the first step.
+    socket_timeout_seconds: ``socket`` transport: a peer that sends nothing
+      for this long during an all-reduce is declared lost.
   """
   compression: str = "none"
   bytes_per_pack: int = 0
+  transport: str = "collective"
+  socket_connect_timeout_seconds: float = 300.0
+  socket_timeout_seconds: float = 300.0
 
   def __post_init__(self):
     compression_lib.get_compression(self.compression)  # Validates the name.
@@ -61,6 +75,22 @@ class GradientOptions:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
       raise ConfigError(field="bytes_per_pack", value=value, source=_SOURCE,
                         expected="an integer >= 0")
+    if self.transport not in transport_lib.TRANSPORTS:
+      raise ConfigError(field="transport", value=self.transport,
+                        source=_SOURCE,
+                        expected=f"one of {list(transport_lib.TRANSPORTS)}")
+    if self.transport == "socket" and self.bytes_per_pack:
+      raise ConfigError(
+          field="bytes_per_pack", value=value, source=_SOURCE,
+          expected="0 with transport='socket'",
+          hint="The socket transport sends one buffer per step, pipelined "
+               "in blocks of its own")
+    for field in ("socket_connect_timeout_seconds", "socket_timeout_seconds"):
+      seconds = getattr(self, field)
+      if (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
+          or not seconds > 0):
+        raise ConfigError(field=field, value=seconds, source=_SOURCE,
+                          expected="a positive number of seconds")
 
 
 def gradient_options_of(optimizer: Any) -> GradientOptions | None:
@@ -80,8 +110,10 @@ def with_gradient_options(optimizer: Any,
     The same optimizer, changed in place.
 
   Raises:
-    ConfigError: an optimizer without the TensorFlow all-reduce hook, or
-      one given options twice.
+    ConfigError: an optimizer without the TensorFlow all-reduce hook, one
+      given options twice, or ``transport="socket"`` under a strategy it
+      cannot serve (checked here inside a strategy's scope, else at the
+      first step).
   """
   if not hasattr(optimizer, "_all_reduce_sum_gradients"):
     raise ConfigError(
@@ -95,10 +127,12 @@ def with_gradient_options(optimizer: Any,
   codec = compression_lib.get_compression(options.compression)
   communication = tf.distribute.experimental.CommunicationOptions(
       bytes_per_pack=options.bytes_per_pack)
+  if options.transport == "socket" and tf.distribute.has_strategy():
+    transport_lib.check_strategy(tf.distribute.get_strategy())
 
   def all_reduce_sum_gradients(self, grads_and_vars):
     del self
-    return _all_reduce(grads_and_vars, codec, communication)
+    return _all_reduce(grads_and_vars, codec, communication, options)
 
   object.__setattr__(optimizer, "_all_reduce_sum_gradients",
                      types.MethodType(all_reduce_sum_gradients, optimizer))
@@ -107,7 +141,7 @@ def with_gradient_options(optimizer: Any,
 
 
 def _all_reduce(grads_and_vars, codec: compression_lib.Compression,
-                communication) -> list:
+                communication, options: GradientOptions) -> list:
   """Sums gradients over replicas; compressed ones travel in the wire dtype."""
   pairs = list(grads_and_vars)
   context = tf.distribute.get_replica_context()
@@ -117,6 +151,23 @@ def _all_reduce(grads_and_vars, codec: compression_lib.Compression,
   if not present:
     return pairs
   grads = [pairs[i][0] for i in present]
+  if options.transport == "socket":
+    reduced = transport_lib.socket_all_reduce(
+        grads, compression=options.compression,
+        connect_timeout_s=options.socket_connect_timeout_seconds,
+        timeout_s=options.socket_timeout_seconds,
+        fallback=lambda ts: _collective(context, ts, codec, communication))
+  else:
+    reduced = _collective(context, grads, codec, communication)
+  result = list(pairs)
+  for i, r in zip(present, reduced):
+    result[i] = (r, pairs[i][1])
+  return result
+
+
+def _collective(context, grads, codec: compression_lib.Compression,
+                communication) -> list:
+  """TensorFlow's all-reduce of ``grads``, each dtype group in one call."""
   # Packs concatenate tensors, so each dtype is reduced in its own call.
   groups: dict[tf.DType, list[int]] = {}
   wire = [codec.encode(g) for g in grads]
@@ -128,7 +179,4 @@ def _all_reduce(grads_and_vars, codec: compression_lib.Compression,
                              [wire[j] for j in indices], options=communication)
     for j, r in zip(indices, out):
       reduced[j] = codec.decode(r, grads[j].dtype)
-  result = list(pairs)
-  for i, r in zip(present, reduced):
-    result[i] = (r, pairs[i][1])
-  return result
+  return reduced

@@ -1,0 +1,173 @@
+"""One worker of a 2-process cluster exercising the socket transport.
+
+Usage: socket_transport.py sums|train|die
+
+* ``sums``: all-reduces gradients of many shapes (scalars, empty, odd
+  lengths, multi-block) through the optimizer hook, and numpy buffers
+  through the ring itself, for every wire dtype. Prints, per case, the
+  largest error against the float32 sum of both workers' inputs and a digest
+  of the result's bytes (equal digests: equal bits on both workers).
+* ``train``: trains the same model with TensorFlow's collectives and with the
+  socket transport, through ``tfdist.fit`` and through ``tfdist.Runner``;
+  prints the weights of each.
+* ``die``: all-reduces a large buffer over and over; worker 1 ends itself
+  abruptly (``os._exit``) during that loop; worker 0 prints the error it got
+  and how long after worker 1's planned death it came.
+
+Each worker prints one JSON line and ends with ``os._exit`` (a surviving
+worker does not wait for TensorFlow's shutdown barrier of a dead peer).
+"""
+
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+import job_common
+import numpy as np
+import tfdist
+
+MODE = sys.argv[1]
+strategy = tfdist.make_strategy("multi_worker_mirrored")  # First TF work.
+RANK = tfdist.resolve_cluster().task_id
+
+import keras  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+from tfdist import perf  # pylint: disable=g-import-not-at-top
+from tfdist.perf import transport  # pylint: disable=g-import-not-at-top
+
+# Gradient shapes: a scalar, empty, odd lengths, more than one 512 KiB block.
+SHAPES = [(), (0,), (1,), (3,), (5, 7), (1001,), (3, 0), (300_001,)]
+RING_SIZES = [0, 1, 2, 3, 5, 1001, (1 << 20) + 3]
+WIRES = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def _inputs(rank, shape, case):
+  rng = np.random.default_rng([rank, case])
+  return rng.normal(size=shape).astype(np.float32)
+
+
+def _check(result, case, shape):
+  expected = _inputs(0, shape, case) + _inputs(1, shape, case)  # float32.
+  result = np.asarray(result, np.float32)
+  assert result.shape == expected.shape, (result.shape, expected.shape)
+  error = float(np.max(np.abs(result - expected))) if result.size else 0.0
+  scale = float(np.max(np.abs(expected))) if result.size else 0.0
+  return {"max_error": error, "max_abs": scale,
+          "digest": hashlib.sha256(result.tobytes()).hexdigest()}
+
+
+def sums():
+  out = {}
+  for compression in WIRES:
+    with strategy.scope():
+      optimizer = perf.with_gradient_options(
+          keras.optimizers.SGD(0.1),
+          perf.GradientOptions(transport="socket", compression=compression,
+                               socket_connect_timeout_seconds=120,
+                               socket_timeout_seconds=60))
+      variables = [tf.Variable(tf.zeros(s)) for s in SHAPES]
+    grads = [tf.constant(_inputs(RANK, s, i)) for i, s in enumerate(SHAPES)]
+
+    @tf.function
+    def reduce(optimizer=optimizer, variables=variables, grads=grads):
+      def fn():
+        # pylint: disable-next=protected-access
+        pairs = optimizer._all_reduce_sum_gradients(zip(grads, variables))
+        return [g for g, _ in pairs]
+      return strategy.run(fn)
+
+    results = reduce()
+    for i, (shape, r) in enumerate(zip(SHAPES, results)):
+      out[f"hook/{compression}/{shape}"] = _check(r.numpy(), i, shape)
+    ring = transport.ring_for(strategy, connect_timeout_s=120, timeout_s=60)
+    for j, size in enumerate(RING_SIZES):
+      case = 100 + j
+      r = ring.all_reduce(_inputs(RANK, (size,), case),
+                          wire=WIRES[compression])
+      out[f"ring/{compression}/{size}"] = _check(r, case, (size,))
+  return {"cases": out}
+
+
+def _fit(options):
+  x, y = job_common.data(48)
+  with strategy.scope():
+    model = job_common.model()
+    optimizer = keras.optimizers.SGD(0.05)
+    if options is not None:
+      optimizer = perf.with_gradient_options(optimizer, options)
+    model.compile(optimizer=optimizer, loss="mse")
+  tfdist.fit(model, x=x, y=y, batch_size=job_common.GLOBAL_BATCH, epochs=2,
+             shuffle=False, verbose=0)
+  return job_common.weights(model)
+
+
+def _runner(options):
+  x, y = job_common.data(512)
+  with strategy.scope():
+    model = job_common.model()
+    optimizer = keras.optimizers.SGD(0.05)
+    if options is not None:
+      optimizer = perf.with_gradient_options(optimizer, options)
+    optimizer.build(model.trainable_variables)
+  step = tfdist.supervised_step(
+      model, optimizer, keras.losses.MeanSquaredError(reduction=None),
+      global_batch_size=job_common.GLOBAL_BATCH)
+  runner = tfdist.Runner(strategy=strategy, train_step=step,
+                         train_data=job_common.dataset_fn(x, y),
+                         options=tfdist.RunnerOptions(steps_per_loop=4))
+  runner.train(12)
+  return job_common.weights(model)
+
+
+def train():
+  socket = perf.GradientOptions(transport="socket")
+  return {"fit_collective": _fit(None), "fit_socket": _fit(socket),
+          "runner_collective": _runner(None),
+          "runner_socket": _runner(socket)}
+
+
+def die():
+  options = perf.GradientOptions(transport="socket",
+                                 socket_connect_timeout_seconds=120,
+                                 socket_timeout_seconds=120)
+  with strategy.scope():
+    optimizer = perf.with_gradient_options(keras.optimizers.SGD(0.1), options)
+    var = tf.Variable(tf.zeros([8 << 20]))
+  grad = tf.ones([8 << 20])
+
+  @tf.function
+  def reduce():
+    def fn():
+      # pylint: disable-next=protected-access
+      (g, _), = optimizer._all_reduce_sum_gradients([(grad, var)])
+      return g[0]
+    return strategy.run(fn)
+
+  reduce()  # Connected and warm on both workers.
+  delay = 1.0
+  planned = time.time() + delay
+  if RANK == 1:
+    threading.Timer(delay, os._exit, (3,)).start()
+  calls = 0
+  try:
+    while time.time() < planned + 300:
+      reduce()
+      calls += 1
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    return {"error": type(e).__name__, "message": str(e)[-3000:],
+            "after_death_s": time.time() - planned, "calls": calls}
+  return {"error": None, "calls": calls}
+
+
+try:
+  result = {"rank": RANK, **{"sums": sums, "train": train, "die": die}[MODE]()}
+except Exception:  # pylint: disable=broad-exception-caught
+  result = {"rank": RANK, "crash": traceback.format_exc()[-3000:]}
+print(json.dumps(result), flush=True)
+sys.stderr.flush()
+os._exit(0)
