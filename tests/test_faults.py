@@ -231,10 +231,41 @@ class StartupTest(parameterized.TestCase):
         tasks.close()
     self.assertLess(time.monotonic() - start, 45)
     for code, err in zip(codes, errs):
-      self.assertEqual(code, -signal.SIGKILL, err)
+      # Ended by its own bound (SIGKILL), or, when the leader's bound ended
+      # the leader first, by the StartupTimeoutError make_strategy raises.
+      self.assertIn(code, (-signal.SIGKILL, 1), err)
       self.assertIn("StartupTimeoutError", err)
       for task in missing:
         self.assertIn(task, err)
+
+  def test_leader_lost_during_startup_names_it_and_the_missing(self):
+    """The leader runs the coordination service; when it ends mid start-up,
+    a waiting task fails at once with the same error, not a raw gRPC one."""
+    configs = cluster_utils.worker_configs(3)
+    workers = configs[0]["cluster"]["worker"]
+    with tempfile.TemporaryDirectory() as d:
+      tasks = Tasks(configs[:2], ["multi_worker_mirrored", "fit",
+                                  os.path.join(d, "b")], d)
+      try:
+        for i in (0, 1):
+          tasks.wait_for_line(i, "building", 60)
+        deadline = time.monotonic() + 60
+        while (not _has_guard_helper(tasks.procs[1].pid)
+               and time.monotonic() < deadline):
+          time.sleep(0.2)
+        time.sleep(2)  # Worker 1 has reached the leader and waits.
+        sent = time.monotonic()
+        tasks.signal(0, signal.SIGKILL)
+        codes = tasks.wait(45)
+        seconds = time.monotonic() - sent
+        err = tasks.stderr(1)
+      finally:
+        tasks.close()
+    self.assertEqual(codes, [-signal.SIGKILL, 1], err)
+    self.assertLess(seconds, 30)
+    self.assertIn("StartupTimeoutError: worker:1: the cluster did not start: "
+                  f"the leader worker:0 at {workers[0]} went away", err)
+    self.assertIn(f"worker:2 at {workers[2]}", err)
 
   def test_sigterm_during_blocked_startup_exits(self):
     """As tfdist launch, srun and scancel send it: to the process group.

@@ -38,7 +38,7 @@ from tfdist.cluster.info import ClusterInfo
 from tfdist.errors import StartupTimeoutError
 
 __all__ = ["bounded_startup", "missing_tasks", "startup_timeout_message",
-           "DEFAULT_STARTUP_TIMEOUT"]
+           "leader_lost_message", "DEFAULT_STARTUP_TIMEOUT"]
 
 #: Seconds a task waits for the rest of its cluster by default.
 DEFAULT_STARTUP_TIMEOUT = 300.0
@@ -61,6 +61,26 @@ def missing_tasks(info: ClusterInfo, *, probe_timeout: float = 0.5
 
 def startup_timeout_message(info: ClusterInfo, timeout: float) -> str:
   """The `StartupTimeoutError` text for ``info`` after ``timeout`` seconds."""
+  return _message(info, f"did not start within {timeout:g} s",
+                  "raise startup_timeout_seconds")
+
+
+def leader_lost_message(info: ClusterInfo, error: str) -> str:
+  """The `StartupTimeoutError` text when the leader went away mid start-up.
+
+  The leader (the first chief or worker) runs TensorFlow's coordination
+  service; when its own start-up bound ends it, the others' wait fails with
+  ``UnavailableError: Socket closed`` before their bound does.
+  """
+  job = "chief" if info.cluster.get("chief") else "worker"
+  leader = f"{job}:0 at {info.cluster[job][0]}"
+  return _message(
+      info, f"did not start: the leader {leader} went away during start-up "
+      f"({error.splitlines()[0][:120]})",
+      "see the leader's log for why it ended")
+
+
+def _message(info: ClusterInfo, why: str, fix: str) -> str:
   me = f"{info.task_type}:{info.task_id}"
   missing = missing_tasks(info)
   if missing:
@@ -72,9 +92,8 @@ def startup_timeout_message(info: ClusterInfo, timeout: float) -> str:
     what = (f"every address answers, but not every task joined ({who}); an "
             "address may be taken by another program, or a task was started "
             "with another cluster")
-  return (f"{me}: the cluster did not start within {timeout:g} s: {what} "
-          f"({info.origin}). Start the missing tasks, check their addresses "
-          "and ports, or raise startup_timeout_seconds")
+  return (f"{me}: the cluster {why}: {what} ({info.origin}). Start the "
+          f"missing tasks, check their addresses and ports, or {fix}")
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from tfdist.cluster import local as local_lib
 from tfdist.cluster import resolve as resolve_lib
 from tfdist.cluster import startup as startup_lib
 from tfdist.cluster.info import ClusterInfo
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, StartupTimeoutError
 from tfdist.strategy import options as opts
 from tfdist.strategy import server as server_lib
 from tfdist.strategy import tpu as tpu_builder
@@ -138,6 +138,11 @@ def _build_multi_worker_mirrored(o: opts.MultiWorkerMirroredOptions,
       return tf.distribute.MultiWorkerMirroredStrategy(
           cluster_resolver=info.to_resolver(),
           communication_options=communication)
+  except tf.errors.UnavailableError as e:
+    # The leader ended (its own start-up bound, a crash) while this task
+    # waited for the cluster: name what is missing, as the bound would.
+    raise StartupTimeoutError(
+        startup_lib.leader_lost_message(info, str(e))) from None
   except tf.errors.OpError as e:
     if "grpc server" not in str(e).lower():
       raise
