@@ -79,13 +79,9 @@ def run_alone(argv: Sequence[str], *, env: Mapping[str, str], cwd: str,
 
 def worker_configs(num_workers: int, *, num_ps: int = 0,
                    chief: bool = False) -> list[dict]:
-  """One TF_CONFIG dict per task, on free ports."""
-  jobs = {"chief": int(chief), "worker": num_workers, "ps": num_ps}
-  ports = iter(free_ports(sum(jobs.values())))
-  cluster = {job: [f"127.0.0.1:{next(ports)}" for _ in range(n)]
-             for job, n in jobs.items() if n}
-  return [{"cluster": cluster, "task": {"type": job, "index": i}}
-          for job, n in jobs.items() for i in range(n)]
+  """One TF_CONFIG dict per task, on free ports: chief, workers, then ps."""
+  return localhost.cluster_tf_configs(
+      {"chief": int(chief), "worker": num_workers, "ps": num_ps})
 
 
 def run_processes(commands: Sequence[Sequence[str]],

@@ -76,6 +76,14 @@ def test_report_is_well_formed(quick_report):
       scaling.RECOMMENDED["transport"], scaling.RECOMMENDED["compression"])
   assert report["raw"]["scaling"]["worker_counts"][:2] == [1, 2]
   assert report["config"]["recommended_options"] == scaling.RECOMMENDED
+  # The machine's ceilings, measured in the same run.
+  for key in ("scaling_efficiency.cnn", "allreduce_fraction_of_loopback"):
+    entry = report["targets"][key]
+    assert entry["machine_ceiling"] > 0, entry
+    assert entry["share_of_ceiling"] == pytest.approx(
+        entry["value"] / entry["machine_ceiling"])
+  assert set(report["raw"]["scaling"]["scaling_ceiling"]) == {"cnn", "mlp"}
+  assert "| machine ceiling |" in quick_report["stdout"]
 
 
 def test_workers_are_pinned_one_core_each(quick_report):

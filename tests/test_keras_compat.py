@@ -19,8 +19,9 @@ import tfdist
 from tfdist.training import keras_compat
 import cluster_utils
 
-ALL_FIXES = ("jit_compile_multi_replica", "multi_worker_scalar_mean",
-             "steps_per_execution", "symbolic_build_reduce")
+ALL_FIXES = ("atomic_assign_add", "jit_compile_multi_replica",
+             "multi_worker_scalar_mean", "steps_per_execution",
+             "symbolic_build_reduce")
 DEVICES = ["/cpu:0", "/cpu:1"]
 
 

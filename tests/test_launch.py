@@ -15,6 +15,7 @@ from absl.testing import parameterized
 import pytest
 
 import cluster_utils
+from tfdist import localhost
 
 TASK = os.path.join(cluster_utils.SCRIPTS, "launch_task.py")
 LAUNCH = [sys.executable, "-m", "tfdist", "launch"]
@@ -37,6 +38,33 @@ def _alive(pid):
     return False
   with open(f"/proc/{pid}/stat") as f:  # A zombie is not alive.
     return f.read().split()[2] != "Z"
+
+
+class ClusterTfConfigsTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("workers", {"worker": 2}, "127.0.0.1", None,
+       [("worker", 0), ("worker", 1)]),
+      ("ps_cluster", {"chief": 1, "worker": 1, "ps": 1, "evaluator": 0},
+       "127.0.0.1", None, [("chief", 0), ("worker", 0), ("ps", 0)]),
+      ("port_base", {"worker": 2}, "127.0.0.1", 23456,
+       [("worker", 0), ("worker", 1)]),
+      ("ipv6", {"worker": 1}, "::1", 23456, [("worker", 0)]),
+  )
+  def test_one_cluster_distinct_ports(self, jobs, host, base, tasks):
+    configs = localhost.cluster_tf_configs(jobs, host=host, port_base=base)
+    self.assertEqual([(c["task"]["type"], c["task"]["index"])
+                      for c in configs], tasks)
+    cluster = configs[0]["cluster"]
+    self.assertTrue(all(c["cluster"] == cluster for c in configs))
+    self.assertEqual(list(cluster), [j for j, n in jobs.items() if n])
+    addresses = [a for job in cluster.values() for a in job]
+    ports = [int(a.rsplit(":", 1)[1]) for a in addresses]
+    self.assertLen(set(ports), len(ports))
+    where = f"[{host}]" if ":" in host else host
+    self.assertTrue(all(a.startswith(where + ":") for a in addresses))
+    if base:
+      self.assertEqual(ports, list(range(base, base + len(ports))))
 
 
 @pytest.mark.timeout(120)

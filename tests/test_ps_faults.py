@@ -320,10 +320,11 @@ class PreemptedTest(absltest.TestCase):
     self.assertIn("SIGUSR1 received by ps:0: serving until the chief", ps_err)
     self.assertIn("checkpoint saved at step", chief_err)
     self.assertBetween(saved, 4, epochs * STEPS - 1)
-    # Resumed at the saved position, counted on the coordinator; Keras's
-    # optimizer.iterations may read low when steps overlap
-    # (docs/fault_tolerance.md, "Known limits").
+    # Resumed at the saved position, counted on the coordinator; overlapping
+    # steps count exactly in the optimizer's iterations too (keras_compat's
+    # atomic_assign_add).
     self.assertEqual(out["scheduled"], epochs * STEPS - saved)
+    self.assertEqual(out["iterations"], epochs * STEPS)
 
 
 @pytest.mark.timeout(120)

@@ -138,6 +138,23 @@ class RingTest(parameterized.TestCase):
       self.assertIs(same, data)
       np.testing.assert_array_equal(data, separate)
 
+  @parameterized.parameters(2, 3)
+  def test_send_receive_passes_each_buffer_to_the_right(self, n):
+    """The bench's ceiling: the ring's data movement without arithmetic."""
+    rings = self._rings(n)
+
+    def fn(r, ring):
+      out = np.zeros(10007, np.float32)
+      ring.send_receive(_inputs(r, 10007), out)
+      after = ring.all_reduce(_inputs(r, 5))  # Still in step afterwards.
+      return out, after
+
+    results = _on_each(rings, fn)
+    for r, (out, after) in enumerate(results):
+      np.testing.assert_array_equal(out, _inputs((r - 1) % n, 10007))
+      np.testing.assert_allclose(
+          after, sum(_inputs(k, 5) for k in range(n)), rtol=1e-6)
+
   def test_bad_out_is_a_config_error(self):
     ring, = self._rings(1)
     with self.assertRaisesRegex(tfdist.ConfigError, "out"):

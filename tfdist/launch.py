@@ -112,17 +112,10 @@ class LaunchSpec:
 
   def tf_configs(self) -> list[dict]:
     """One TF_CONFIG per task: the cluster tasks, then the evaluator."""
-    n = sum(self.jobs.values())
-    ports = (list(range(self.port_base, self.port_base + n)) if self.port_base
-             else localhost.free_ports(n, self.host))
-    it = iter(ports)
-    host = f"[{self.host}]" if ":" in self.host else self.host
-    cluster = {job: [f"{host}:{next(it)}" for _ in range(count)]
-               for job, count in self.jobs.items()}
-    configs = [{"cluster": cluster, "task": {"type": job, "index": i}}
-               for job, count in self.jobs.items() for i in range(count)]
+    configs = localhost.cluster_tf_configs(self.jobs, host=self.host,
+                                           port_base=self.port_base)
     if self.evaluator:
-      configs.append({"cluster": cluster,
+      configs.append({"cluster": configs[0]["cluster"],
                       "task": {"type": "evaluator", "index": 0}})
     return configs
 

@@ -12,8 +12,8 @@ import os
 import socket
 from typing import Mapping
 
-__all__ = ["free_ports", "port_problem", "child_env", "worker_tf_configs",
-           "REPO_ROOT"]
+__all__ = ["free_ports", "port_problem", "child_env", "cluster_tf_configs",
+           "worker_tf_configs", "REPO_ROOT"]
 
 #: The directory holding the ``tfdist`` package (a checkout or site-packages).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,9 +66,31 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
   return env
 
 
+def cluster_tf_configs(jobs: Mapping[str, int], *, host: str = "127.0.0.1",
+                       port_base: int | None = None) -> list[dict]:
+  """One TF_CONFIG per task of a cluster on ``host``, in ``jobs`` order.
+
+  Args:
+    jobs: job name to task count, e.g. ``{"chief": 1, "worker": 2, "ps": 1}``;
+      jobs with no tasks are left out.
+    host: the address every task listens on (IPv6 without brackets).
+    port_base: consecutive ports from this one; free ports when ``None``.
+
+  Returns:
+    ``{"cluster": ..., "task": {"type": job, "index": i}}`` dicts, one per
+    task, jobs in ``jobs`` order.
+  """
+  jobs = {job: count for job, count in jobs.items() if count}
+  n = sum(jobs.values())
+  ports = iter(range(port_base, port_base + n) if port_base
+               else free_ports(n, host))
+  where = f"[{host}]" if ":" in host else host
+  cluster = {job: [f"{where}:{next(ports)}" for _ in range(count)]
+             for job, count in jobs.items()}
+  return [{"cluster": cluster, "task": {"type": job, "index": i}}
+          for job, count in jobs.items() for i in range(count)]
+
+
 def worker_tf_configs(n: int, host: str = "127.0.0.1") -> list[str]:
   """TF_CONFIG texts of an ``n``-worker cluster on free ports, by task."""
-  workers = [f"{host}:{p}" for p in free_ports(n, host)]
-  return [json.dumps({"cluster": {"worker": workers},
-                      "task": {"type": "worker", "index": i}})
-          for i in range(n)]
+  return [json.dumps(c) for c in cluster_tf_configs({"worker": n}, host=host)]

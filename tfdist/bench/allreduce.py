@@ -10,7 +10,10 @@ float32 (``socket``), float16 (``socket_fp16``) or bfloat16
 (``socket_bf16``), both summing in float32. ``ring`` and ``ring_bf16`` time
 the same socket ring called directly on numpy buffers, outside TensorFlow:
 the transport alone, without the packing copy and the ``tf.function`` /
-``tf.numpy_function`` call. `loopback_bytes_per_s` times one plain TCP
+``tf.numpy_function`` call. ``exchange`` moves the bytes a ring all-reduce
+of the tensor must move (``2 (n - 1) / n`` times its size, each way) over the
+same sockets with no arithmetic (`SocketRing.send_receive`): the ceiling of
+any all-reduce of float32 on this machine. `loopback_bytes_per_s` times one plain TCP
 stream over 127.0.0.1 in the bench's own process: the most one connection
 moves on this machine.
 
@@ -48,6 +51,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "socket_bf16": ("socket", "bf16"),
     "ring": ("ring", "none"),
     "ring_bf16": ("ring", "bf16"),
+    "exchange": ("exchange", "none"),
 }
 _WIRE = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -73,17 +77,23 @@ def _reduce_fn(strategy, method: str, sources, repeats: int):
   kind, compression = METHODS[method]
   codec = perf.get_compression(compression)
   options = perf.GradientOptions()
-  if kind == "ring":
+  if kind in ("ring", "exchange"):
     ring = transport.ring_for(
         strategy, connect_timeout_s=options.socket_connect_timeout_seconds,
         timeout_s=options.socket_timeout_seconds)
     with tf.init_scope():
       buffer = tf.concat([tf.identity(s) for s in sources], 0).numpy()
+    if kind == "exchange":
+      n = strategy.num_replicas_in_sync
+      buffer = np.resize(buffer, buffer.size * 2 * (n - 1) // n)
     out = np.empty_like(buffer)
 
     def run_ring():
       for _ in range(repeats):
-        ring.all_reduce(buffer, wire=_WIRE[compression], out=out)
+        if kind == "exchange":
+          ring.send_receive(buffer, out)
+        else:
+          ring.all_reduce(buffer, wire=_WIRE[compression], out=out)
     return run_ring
   if kind == "socket":
 
@@ -202,14 +212,20 @@ def loopback_bytes_per_s(total_mb: int = 256, chunk_mb: int = 4,
 def summarize(sweep_result: dict, loopback: float, *, method: str) -> dict:
   """The headline: ``method``'s median algbw over sizes / loopback.
 
-  Also every method's fraction (``fractions``), and ``raw_fraction_of_loopback``
-  for TensorFlow's collectives sending float32 (``none``).
+  Also every method's fraction (``fractions``), ``raw_fraction_of_loopback``
+  for TensorFlow's collectives sending float32 (``none``), and the ceiling:
+  ``exchange``'s fraction (``ceiling_fraction_of_loopback``) and ``method``'s
+  share of it (``fraction_of_ceiling``), when the sweep timed it.
   """
   fractions = {
       name: statistics.median(v["algbw"] for v in per_size.values()) / loopback
       for name, per_size in sweep_result.items()}
   transport, compression = METHODS[method]
+  ceiling = fractions.get("exchange")
   return {"fraction_of_loopback": fractions[method],
+          "ceiling_fraction_of_loopback": ceiling,
+          "fraction_of_ceiling": (fractions[method] / ceiling
+                                  if ceiling else None),
           "raw_fraction_of_loopback": fractions["none"],
           "fractions": fractions, "method": method, "transport": transport,
           "compression": compression}

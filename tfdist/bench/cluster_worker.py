@@ -14,6 +14,8 @@ their number, once its loops are built and warm: a 1-worker cluster then
 trains on 1 core, and 2 workers on 2 cores do not share one. The all-reduce
 sweep that follows runs unpinned.
 
+Variants ``alone`` train a model of the worker's own outside the strategy
+(the same model, batch and data, nothing exchanged): the machine's ceiling.
 Variants ``raw`` are hand-written tf.distribute code (a `tf.function` loop of
 ``strategy.run`` with a plain Keras optimizer that reduces the loss every
 step, as TensorFlow's custom-loop tutorial does); the others run
@@ -127,6 +129,8 @@ def _make_loop(strategy, name: str, variant: dict, spec: dict):
   from tfdist import perf  # pylint: disable=g-import-not-at-top
   from tfdist.bench import models  # pylint: disable=g-import-not-at-top
   model_spec = models.MODELS[name]
+  if variant["name"] == "alone":
+    return _alone_loop(model_spec, spec["batch"][name])
   k = variant.get("accumulation_steps", 1)
   per_replica = spec["batch"][name] * k  # Samples per update on a replica.
   global_batch = per_replica * strategy.num_replicas_in_sync
@@ -184,6 +188,37 @@ def _make_loop(strategy, name: str, variant: dict, spec: dict):
       strategy=strategy, train_step=train_step, train_data=dataset_fn,
       metrics=metrics, options=tfdist.RunnerOptions(steps_per_loop=spec["steps"]))
   return lambda n: runner.train(runner.step + n)
+
+
+def _alone_loop(model_spec, batch: int):
+  """``run(n)``: ``n`` steps of a model of this worker's own, no strategy.
+
+  The same model, batch, optimizer and data as the other variants, with
+  nothing exchanged between the workers.
+  """
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.bench import models  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  model = model_spec.build()
+  optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  iterator = iter(models.synthetic_dataset(model_spec, batch,
+                                           seed=_task_index()))
+
+  @tf.function
+  def loop(n):
+    total = tf.constant(0.0)
+    for _ in tf.range(n):
+      x, y = next(iterator)
+      with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+      grads = tape.gradient(loss, model.trainable_variables)
+      optimizer.apply_gradients(zip(grads, model.trainable_variables))
+      total += loss
+    return total / tf.cast(n, tf.float32)
+
+  return lambda n: loop(tf.constant(n))
 
 
 if __name__ == "__main__":

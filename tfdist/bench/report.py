@@ -86,9 +86,23 @@ def build(*, overhead: dict, scaling: dict, allreduce: dict, startup: dict,
       "startup_ratio": startup["startup_ratio"],
       "memory_ratio": memory["memory_ratio"],
   }
-  report["targets"] = {
-      t.key: {"target": t.text, "value": _lookup(report, t.key),
-              "met": t.met(_lookup(report, t.key))} for t in TARGETS}
+  # What this machine allows, measured in the same run: N processes training
+  # alone (nothing exchanged), and the bytes an all-reduce must move sent
+  # over the same sockets with no arithmetic.
+  ceilings = {
+      **{f"scaling_efficiency.{m}": v
+         for m, v in scaling.get("scaling_ceiling", {}).items()},
+      "allreduce_fraction_of_loopback": allreduce.get(
+          "ceiling_fraction_of_loopback"),
+  }
+  report["targets"] = {}
+  for t in TARGETS:
+    value = _lookup(report, t.key)
+    entry = {"target": t.text, "value": value, "met": t.met(value)}
+    if ceilings.get(t.key):
+      entry["machine_ceiling"] = ceilings[t.key]
+      entry["share_of_ceiling"] = value / ceilings[t.key]
+    report["targets"][t.key] = entry
   report["raw"] = {"overhead": overhead["cases"],
                    "options": overhead["options"], "scaling": scaling,
                    "allreduce": allreduce, "startup": startup,
@@ -123,6 +137,11 @@ def validate(report: dict) -> None:
     entry = report.get("targets", {}).get(t.key)
     if not isinstance(entry, dict) or not isinstance(entry.get("met"), bool):
       fail(f"targets.{t.key}", "missing or without a boolean 'met'")
+    ceiling = entry.get("machine_ceiling", 1.0)
+    if not isinstance(ceiling, (int, float)) or not (
+        math.isfinite(ceiling) and ceiling > 0):
+      fail(f"targets.{t.key}.machine_ceiling",
+           f"expected a positive finite number, got {ceiling!r}")
   for section in _SECTIONS:
     if not isinstance(report.get("raw", {}).get(section), dict):
       fail(f"raw.{section}", "missing")
@@ -131,9 +150,16 @@ def validate(report: dict) -> None:
 
 
 def format_table(report: dict) -> str:
-  """The headline figures against their targets, as Markdown rows."""
-  rows = ["| figure | measured | target | met |", "|---|---|---|---|"]
+  """The headline figures against their targets, as Markdown rows.
+
+  The last column is the machine's ceiling for the figure where the run
+  measured one (see `build`).
+  """
+  rows = ["| figure | measured | target | met | machine ceiling |",
+          "|---|---|---|---|---|"]
   for key, entry in report["targets"].items():
+    ceiling = entry.get("machine_ceiling")
     rows.append(f"| {key} | {entry['value']:.3f} | {entry['target']} | "
-                f"{'yes' if entry['met'] else 'no'} |")
+                f"{'yes' if entry['met'] else 'no'} | "
+                f"{f'{ceiling:.3f}' if ceiling else ''} |")
   return "\n".join(rows)

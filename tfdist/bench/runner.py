@@ -49,8 +49,8 @@ class BenchConfig:
       cores (raw and tfdist variants, and the 1-worker baseline alike).
   """
   quick: bool = False
-  overhead_steps: int = 100
-  overhead_rounds: int = 3
+  overhead_steps: int = 60
+  overhead_rounds: int = 7
   train_steps: int = 40
   train_rounds: int = 2
   cluster_repeats: int = 2

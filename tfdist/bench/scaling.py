@@ -9,7 +9,10 @@ scaling: every worker trains the same per-replica batch, so
 Variants of the MLP compare communication options on the same cluster, in
 alternating windows: ``raw`` (hand-written loop, MultiWorkerMirroredStrategy
 as it comes), ``tfdist`` (the Runner with the recommended options,
-`RECOMMENDED`), and one option changed at a time. The largest cluster also
+`RECOMMENDED`), ``alone`` (each worker trains its own copy of the model and
+exchanges nothing: the throughput N processes reach on this machine at once,
+whose efficiency is the ceiling of any synchronous training's), and one
+option changed at a time. The largest cluster also
 runs the all-reduce sweep (`tfdist.bench.allreduce`).
 
 Each worker's timed windows run pinned to its own core (worker i on core i
@@ -43,7 +46,10 @@ def worker_counts(cpus: int | None = None) -> list[int]:
 
 def variants(quick: bool) -> dict[str, list[dict]]:
   """Per model, the variants to time; the first two are raw and tfdist."""
-  base = [{"name": "raw"}, {"name": "tfdist", **RECOMMENDED}]
+  base = [{"name": "raw"}, {"name": "tfdist", **RECOMMENDED},
+          # Each worker trains by itself, exchanging nothing: what the
+          # machine allows N processes at once (the efficiency's ceiling).
+          {"name": "alone"}]
   if quick:
     return {"mlp": base, "cnn": base}
   mlp = base + [
@@ -115,6 +121,7 @@ def measure(*, quick: bool, batch: dict[str, int], steps: int,
       "samples_per_s": med,
       "scaling_efficiency": {m: efficiency(m, "tfdist") for m in med},
       "raw_scaling_efficiency": {m: efficiency(m, "raw") for m in med},
+      "scaling_ceiling": {m: efficiency(m, "alone") for m in med},
       "mlp_speedup_vs_raw": med["mlp"]["tfdist"]["2"] / med["mlp"]["raw"]["2"],
       "mlp_variants_vs_raw": {v: s["2"] / med["mlp"]["raw"]["2"]
                               for v, s in med["mlp"].items()},

@@ -207,6 +207,9 @@ def _signature(grads: Sequence[tf.Tensor]) -> int:
   return zlib.crc32(text.encode())
 
 
+# Plain Python over static shapes: autograph has nothing to convert here, and
+# converting the numpy callback's closure fails noisily ("can't be nonlocal").
+@tf.autograph.experimental.do_not_convert
 def socket_all_reduce(grads: Sequence[Any], *, compression: str,
                       connect_timeout_s: float, timeout_s: float,
                       fallback) -> list[Any]:
