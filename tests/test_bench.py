@@ -83,6 +83,8 @@ def test_report_is_well_formed(quick_report):
     assert entry["share_of_ceiling"] == pytest.approx(
         entry["value"] / entry["machine_ceiling"])
   assert set(report["raw"]["scaling"]["scaling_ceiling"]) == {"cnn", "mlp"}
+  for entry in report["targets"].values():  # A miss says by how much, and why.
+    assert entry["met"] or (entry["short_by"] > 0 and entry["why"]), entry
   assert "| machine ceiling |" in quick_report["stdout"]
 
 
@@ -106,6 +108,13 @@ def test_table_printed(quick_report):
 
 def test_nothing_left_behind(quick_report):
   assert quick_report["left"] == []
+
+
+def test_missed_target_says_by_how_much_and_why():
+  target = report_lib.Target(key="x", bound=0.9)
+  assert "out of reach on this machine" in report_lib._why(target, 0.6, 0.75)
+  assert "allowed 0.950" in report_lib._why(target, 0.6, 0.95)
+  assert "no ceiling" in report_lib._why(target, 0.6, None)
 
 
 def test_validate_names_the_bad_key():

@@ -102,6 +102,9 @@ def build(*, overhead: dict, scaling: dict, allreduce: dict, startup: dict,
     if ceilings.get(t.key):
       entry["machine_ceiling"] = ceilings[t.key]
       entry["share_of_ceiling"] = value / ceilings[t.key]
+    if not entry["met"]:
+      entry["short_by"] = abs(t.bound - value)
+      entry["why"] = _why(t, value, ceilings.get(t.key))
     report["targets"][t.key] = entry
   report["raw"] = {"overhead": overhead["cases"],
                    "options": overhead["options"], "scaling": scaling,
@@ -110,6 +113,17 @@ def build(*, overhead: dict, scaling: dict, allreduce: dict, startup: dict,
   report["config"] = config
   report["machine"] = machine
   return report
+
+
+def _why(target: Target, value: float, ceiling: float | None) -> str:
+  """One line on a missed target, from the ceiling measured beside it."""
+  if ceiling is None:
+    return "no ceiling measured for this figure; see docs/benchmarks.md"
+  if not target.met(ceiling):
+    return (f"out of reach on this machine in this run: its ceiling was "
+            f"{ceiling:.3f}; tfdist reached {value / ceiling:.2f} of it")
+  return (f"the machine allowed {ceiling:.3f} in this run; tfdist reached "
+          f"{value / ceiling:.2f} of it")
 
 
 def validate(report: dict) -> None:
