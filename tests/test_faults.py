@@ -253,7 +253,7 @@ class StartupTest(parameterized.TestCase):
         while (not _has_guard_helper(tasks.procs[1].pid)
                and time.monotonic() < deadline):
           time.sleep(0.2)
-        time.sleep(2)  # Worker 1 has reached the leader and waits.
+        time.sleep(5)  # Worker 1 has reached the leader and waits.
         sent = time.monotonic()
         tasks.signal(0, signal.SIGKILL)
         codes = tasks.wait(45)
