@@ -5,6 +5,22 @@ from __future__ import annotations
 __all__ = ["write_plot"]
 
 
+_LINES = {"raw": "--", "tfdist": "-", "alone": ":"}
+_VARIANTS = {"raw": "raw MultiWorkerMirrored", "tfdist": "tfdist",
+             "alone": "alone (nothing exchanged: ceiling)"}
+_METHODS = {
+    "none": "TF collectives, float32",
+    "fp16": "TF collectives, fp16",
+    "bf16": "TF collectives, bf16",
+    "socket": "tfdist socket, float32",
+    "socket_fp16": "tfdist socket, fp16",
+    "socket_bf16": "tfdist socket, bf16",
+    "ring": "ring alone, float32",
+    "ring_bf16": "ring alone, bf16",
+    "exchange": "exchange, no arithmetic (ceiling)",
+}
+
+
 def write_plot(report: dict, path: str) -> None:
   """Writes a two-panel PNG of ``report`` to ``path`` (needs matplotlib)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -16,11 +32,12 @@ def write_plot(report: dict, path: str) -> None:
   fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
   counts = scaling["worker_counts"]
   for model, by_variant in scaling["samples_per_s"].items():
-    for variant in ("raw", "tfdist"):
+    for variant in ("raw", "tfdist", "alone"):
+      if variant not in by_variant:
+        continue
       ys = [by_variant[variant][str(n)] for n in counts]
-      left.plot(counts, ys, marker="o",
-                linestyle="-" if variant == "tfdist" else "--",
-                label=f"{model} {variant}")
+      left.plot(counts, ys, marker="o", linestyle=_LINES[variant],
+                label=f"{model} {_VARIANTS[variant]}")
     one = by_variant["tfdist"]["1"]
     left.plot(counts, [one * n for n in counts], color="grey", linewidth=0.6)
   left.set(xlabel="workers", ylabel="samples/s", xticks=counts,
@@ -31,7 +48,7 @@ def write_plot(report: dict, path: str) -> None:
     sizes = sorted(per_size, key=float)
     right.plot([float(s) for s in sizes],
                [per_size[s]["algbw"] / 1e6 for s in sizes], marker="o",
-               label=f"all-reduce, {name} on the wire")
+               label=_METHODS.get(name, name))
   right.axhline(loopback / 1e6, color="black", linestyle=":",
                 label="one TCP stream, loopback")
   right.set(xlabel="tensor size (MiB, float32)",
