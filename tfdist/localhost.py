@@ -82,7 +82,7 @@ def cluster_tf_configs(jobs: Mapping[str, int], *, host: str = "127.0.0.1",
   """
   jobs = {job: count for job, count in jobs.items() if count}
   n = sum(jobs.values())
-  ports = iter(range(port_base, port_base + n) if port_base
+  ports = iter(range(port_base, port_base + n) if port_base is not None
                else free_ports(n, host))
   where = f"[{host}]" if ":" in host else host
   cluster = {job: [f"{where}:{next(ports)}" for _ in range(count)]

@@ -93,13 +93,20 @@ def sums():
   return {"cases": out}
 
 
-def _fit(options):
-  x, y = job_common.data(48)
+def _model_and_optimizer(options):
+  """In the strategy's scope: the model, and SGD with ``options`` if any."""
   with strategy.scope():
     model = job_common.model()
     optimizer = keras.optimizers.SGD(0.05)
     if options is not None:
       optimizer = perf.with_gradient_options(optimizer, options)
+  return model, optimizer
+
+
+def _fit(options):
+  x, y = job_common.data(48)
+  model, optimizer = _model_and_optimizer(options)
+  with strategy.scope():
     model.compile(optimizer=optimizer, loss="mse")
   tfdist.fit(model, x=x, y=y, batch_size=job_common.GLOBAL_BATCH, epochs=2,
              shuffle=False, verbose=0)
@@ -108,11 +115,8 @@ def _fit(options):
 
 def _runner(options):
   x, y = job_common.data(512)
+  model, optimizer = _model_and_optimizer(options)
   with strategy.scope():
-    model = job_common.model()
-    optimizer = keras.optimizers.SGD(0.05)
-    if options is not None:
-      optimizer = perf.with_gradient_options(optimizer, options)
     optimizer.build(model.trainable_variables)
   step = tfdist.supervised_step(
       model, optimizer, keras.losses.MeanSquaredError(reduction=None),

@@ -27,6 +27,7 @@ Figures, for a float32 tensor of S bytes reduced in t seconds over n workers:
 
 from __future__ import annotations
 
+import functools
 import socket
 import statistics
 import threading
@@ -87,13 +88,13 @@ def _reduce_fn(strategy, method: str, sources, repeats: int):
       n = strategy.num_replicas_in_sync
       buffer = np.resize(buffer, buffer.size * 2 * (n - 1) // n)
     out = np.empty_like(buffer)
+    once = (functools.partial(ring.send_receive, buffer, out)
+            if kind == "exchange" else functools.partial(
+                ring.all_reduce, buffer, wire=_WIRE[compression], out=out))
 
     def run_ring():
       for _ in range(repeats):
-        if kind == "exchange":
-          ring.send_receive(buffer, out)
-        else:
-          ring.all_reduce(buffer, wire=_WIRE[compression], out=out)
+        once()
     return run_ring
   if kind == "socket":
 

@@ -151,11 +151,12 @@ def validate(report: dict) -> None:
     entry = report.get("targets", {}).get(t.key)
     if not isinstance(entry, dict) or not isinstance(entry.get("met"), bool):
       fail(f"targets.{t.key}", "missing or without a boolean 'met'")
-    ceiling = entry.get("machine_ceiling", 1.0)
-    if not isinstance(ceiling, (int, float)) or not (
-        math.isfinite(ceiling) and ceiling > 0):
-      fail(f"targets.{t.key}.machine_ceiling",
-           f"expected a positive finite number, got {ceiling!r}")
+    if "machine_ceiling" in entry:
+      ceiling = entry["machine_ceiling"]
+      if not isinstance(ceiling, (int, float)) or not (
+          math.isfinite(ceiling) and ceiling > 0):
+        fail(f"targets.{t.key}.machine_ceiling",
+             f"expected a positive finite number, got {ceiling!r}")
   for section in _SECTIONS:
     if not isinstance(report.get("raw", {}).get(section), dict):
       fail(f"raw.{section}", "missing")

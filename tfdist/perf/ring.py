@@ -392,33 +392,13 @@ class SocketRing:
         and x.ctypes.data != flat_out.ctypes.data):
       x = x.copy()  # Overlapping but not the same: keep the input apart.
     with self._lock:
-      if self._failure is not None:
-        raise self._failure
-      if self.size == 1:
+      if self.size == 1 and self._failure is None:
         if flat_out.ctypes.data != x.ctypes.data:
           np.copyto(flat_out, x)
         return _shaped(out, data)
-      self._connect_locked()
-      call = self._calls
-      self._calls += 1
-      try:
-        self._reduce(x, flat_out, wire, self._header(call, x.size, wire, tag))
-      except _Lost as e:
-        self._fail(WorkerLostError(
-            f"socket transport: {self._names[self._rank]} lost "
-            f"{self._describe(e.rank)} during all-reduce #{call} "
-            f"({x.size} float32 values): {e.what}. A peer died or stopped; "
-            "restart the cluster (tfdist launch --max-restarts K, or "
-            "SLURM's requeue)"))
-      except ConfigError as e:
-        self._fail(e)
-      except BaseException as e:  # E.g. KeyboardInterrupt: the ring is torn.
-        self._failure = WorkerLostError(
-            f"socket transport: all-reduce #{call} of "
-            f"{self._names[self._rank]} was interrupted ({e!r}); the ring "
-            "is out of step and closed")
-        self._close_locked()
-        raise
+      self._call_locked(
+          "all-reduce", x.size, wire, tag,
+          lambda header: self._reduce(x, flat_out, wire, header))
       return _shaped(out, data)
 
   def send_receive(self, data: np.ndarray, out: np.ndarray) -> None:
@@ -439,31 +419,52 @@ class SocketRing:
       StartupTimeoutError: the ring could not connect.
     """
     x, flat_out = data.reshape(-1), out.reshape(-1)
+
+    def move(header):
+      head_in = bytearray(_HEADER.size)
+      blocks = self._blocks(0, x.size)
+      self._exchange(
+          [lambda: _HEADER.pack(*header)]
+          + [lambda lo=lo, hi=hi: _bytes(x[lo:hi]) for lo, hi in blocks],
+          [(head_in, lambda: self._check_header(head_in, header), 0)]
+          + [(_bytes(flat_out[lo:hi]), None, -1) for lo, hi in blocks])
+
     with self._lock:
-      if self._failure is not None:
-        raise self._failure
-      if self.size == 1:
+      if self.size == 1 and self._failure is None:
         np.copyto(flat_out, x)
         return
-      self._connect_locked()
-      call = self._calls
-      self._calls += 1
-      header = self._header(call, x.size, "float32", 0)
-      head_in = bytearray(_HEADER.size)
-      sends = [lambda: _HEADER.pack(*header)] + [
-          lambda lo=lo, hi=hi: _bytes(x[lo:hi])
-          for lo, hi in self._blocks(0, x.size)]
-      recvs = [(head_in, lambda: self._check_header(head_in, header), 0)] + [
-          (_bytes(flat_out[lo:hi]), None, -1)
-          for lo, hi in self._blocks(0, x.size)]
-      try:
-        self._exchange(sends, recvs)
-      except _Lost as e:
-        self._fail(WorkerLostError(
-            f"socket transport: {self._names[self._rank]} lost "
-            f"{self._describe(e.rank)} during exchange #{call}: {e.what}"))
-      except ConfigError as e:
-        self._fail(e)
+      self._call_locked("exchange", x.size, "float32", 0, move)
+
+  def _call_locked(self, what: str, length: int, wire: str, tag: int,
+                   move: Callable[[tuple], None]) -> None:
+    """One numbered call of the ring: ``move(header)`` under its failure rules.
+
+    A lost peer becomes `WorkerLostError` naming it, a mismatched header a
+    `ConfigError`; either, or an interruption, closes the ring for good.
+    """
+    if self._failure is not None:
+      raise self._failure
+    self._connect_locked()
+    call = self._calls
+    self._calls += 1
+    try:
+      move(self._header(call, length, wire, tag))
+    except _Lost as e:
+      self._fail(WorkerLostError(
+          f"socket transport: {self._names[self._rank]} lost "
+          f"{self._describe(e.rank)} during {what} #{call} "
+          f"({length} float32 values): {e.what}. A peer died or stopped; "
+          "restart the cluster (tfdist launch --max-restarts K, or "
+          "SLURM's requeue)"))
+    except ConfigError as e:
+      self._fail(e)
+    except BaseException as e:  # E.g. KeyboardInterrupt: the ring is torn.
+      self._failure = WorkerLostError(
+          f"socket transport: {what} #{call} of "
+          f"{self._names[self._rank]} was interrupted ({e!r}); the ring "
+          "is out of step and closed")
+      self._close_locked()
+      raise
 
   def _fail(self, error: BaseException):
     self._failure = error
