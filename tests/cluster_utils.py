@@ -1,27 +1,82 @@
-"""Real multi-process clusters on localhost for tests.
+"""Live multi-process clusters on localhost for tests: the one harness.
 
-Every process is started by us and killed by its PID; every wait is bounded.
+`Tasks` starts the processes of a cluster, each leading a session of its own,
+reads each one's stdout line by line as it comes (stderr goes to a file) and
+lets a test wait for a line, signal or kill a task and wait for exit codes.
+Every wait is bounded; `Tasks.close` (or leaving its ``with`` block) SIGKILLs
+the process group of every process it started that still runs, and nothing
+else. `run_processes`, `run_cluster`, `run_script`, `run_alone` and
+`run_to_end` run tasks to their end on that same core.
+
+Example:
+  with cluster_utils.Tasks.of_script(
+      "fault_job.py", cluster_utils.worker_configs(2),
+      args=["multi_worker_mirrored", "fit", backup]) as tasks:
+    tasks.wait_for(0, "step 5", 240)
+    tasks.signal(1, signal.SIGTERM)
+    codes = tasks.wait_all(60)
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
-from tfdist import localhost
+from tfdist import _net
 
-REPO = localhost.REPO_ROOT
+__all__ = [
+    "REPO",
+    "SCRIPTS",
+    "Process",
+    "Result",
+    "Tasks",
+    "base_env",
+    "free_ports",
+    "processes",
+    "run_alone",
+    "run_cluster",
+    "run_processes",
+    "run_script",
+    "run_to_end",
+    "session_processes",
+    "tail",
+    "wait_until",
+    "worker_configs",
+]
+
+REPO = _net.REPO_ROOT
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
 
+free_ports = _net.free_ports
+base_env = _net.child_env
 
-free_ports = localhost.free_ports
-base_env = localhost.child_env
+#: A stdout line to wait for: the line itself, or a test it must pass.
+LineTest = str | Callable[[str], bool]
+
+
+def tail(text: str, n: int = 3000) -> str:
+  """The end of ``text``, short enough for a failure message."""
+  return text[-n:]
+
+
+def _json_line(stdout: str, stderr: str) -> dict:
+  """The last line of ``stdout`` that parses as a JSON object."""
+  for line in reversed(stdout.splitlines()):
+    if line.startswith("{"):
+      return json.loads(line)
+  raise AssertionError(f"no JSON line in stdout:\n{stdout}\n"
+                       f"stderr:\n{tail(stderr)}")
 
 
 @dataclasses.dataclass
@@ -32,55 +87,304 @@ class Result:
 
   def json(self) -> dict:
     """The last line of stdout that parses as a JSON object."""
-    for line in reversed(self.stdout.splitlines()):
-      if line.startswith("{"):
-        return json.loads(line)
-    raise AssertionError(f"no JSON line in stdout:\n{self.stdout}\n"
-                         f"stderr:\n{self.stderr[-3000:]}")
+    return _json_line(self.stdout, self.stderr)
 
 
-def session_processes(sid: int) -> list[int]:
-  """PIDs of live processes in session ``sid`` (a process we started with
-  ``start_new_session=True`` leads its own session)."""
-  pids = []
+# ------------------------------------------------------------ /proc.
+
+
+@dataclasses.dataclass(frozen=True)
+class Process:
+  """One process of this machine, as /proc shows it."""
+  pid: int
+  state: str
+  ppid: int
+  pgrp: int
+  session: int
+  cmdline: str  # Arguments joined by spaces; empty for a zombie.
+
+
+def processes() -> list[Process]:
+  """Every process of this machine, zombies included."""
+  found = []
   for entry in os.listdir("/proc"):
     if not entry.isdigit():
       continue
     try:
       with open(f"/proc/{entry}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-      continue
-    # Fields after the name: state, ppid, pgrp, session, ...
-    if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
-      pids.append(int(entry))
-  return pids
+        # Fields after the name: state, ppid, pgrp, session, ...
+        state, ppid, pgrp, session = f.read().rsplit(")", 1)[1].split()[:4]
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except (OSError, ValueError):
+      continue  # Gone meanwhile.
+    found.append(Process(int(entry), state, int(ppid), int(pgrp),
+                         int(session), cmdline.strip()))
+  return found
 
 
-def run_alone(argv: Sequence[str], *, env: Mapping[str, str], cwd: str,
-              timeout: float) -> tuple[Result, list[int]]:
-  """Runs ``argv`` in a session of its own; returns its result and the PIDs
-  of any process it left behind (those are killed before returning)."""
-  proc = subprocess.Popen(list(argv), env=dict(env), cwd=cwd,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True)
-  try:
-    out, err = proc.communicate(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    out, err = proc.communicate(timeout=30)
-    raise AssertionError(f"{argv} still running after {timeout} s:\n"
-                         f"{err[-3000:]}") from None
-  left = session_processes(proc.pid)
-  for pid in left:
-    os.kill(pid, signal.SIGKILL)
-  return Result(proc.returncode, out, err), left
+def session_processes(sid: int) -> list[int]:
+  """PIDs of live processes in session ``sid`` (a process we started with
+  ``start_new_session=True`` leads its own session)."""
+  return [p.pid for p in processes()
+          if p.session == sid and p.state not in ("Z", "X")]
+
+
+def wait_until(condition: Callable[[], object], timeout: float, *,
+               interval: float = 0.2) -> bool:
+  """Polls ``condition`` until it holds or ``timeout`` seconds have passed.
+
+  Returns:
+    Whether it held.
+  """
+  deadline = time.monotonic() + timeout
+  while not condition():
+    if time.monotonic() >= deadline:
+      return False
+    time.sleep(interval)
+  return True
+
+
+# ------------------------------------------------------------ the harness.
+
+
+@dataclasses.dataclass(eq=False)
+class _Run:
+  """One process started by `Tasks`."""
+  index: int
+  proc: subprocess.Popen
+  err_path: str | None  # None: stderr goes into stdout.
+  stdout: list[str] = dataclasses.field(default_factory=list)  # Raw lines.
+  eof: bool = False
+  stderr: str | None = None  # Read at close, before the file goes away.
+  reader: threading.Thread | None = None
+
+
+class Tasks:
+  """The processes of a live cluster, started, watched and ended here.
+
+  Task ``i`` runs ``commands[i]`` with ``envs[i]``; starting a task again
+  starts a new process for it (the earlier one's stderr stays readable, see
+  `stderr_of_all`). Each process leads a session of its own; a thread reads
+  its stdout into lines, and its stderr goes to a file (or into stdout with
+  ``merge_stderr``). Output stays readable after `close`.
+  """
+
+  def __init__(self, *, commands: Sequence[Sequence[str]],
+               envs: Sequence[Mapping[str, str]], cwd: str | None = None,
+               merge_stderr: bool = False, start: bool = True):
+    """Starts every task unless ``start`` is false (then see `start`)."""
+    if len(commands) != len(envs):
+      raise ValueError(f"{len(commands)} commands but {len(envs)} envs")
+    self._commands = [list(c) for c in commands]
+    self._envs = [dict(e) for e in envs]
+    self._cwd, self._merge_stderr = cwd, merge_stderr
+    self._runs: list[_Run] = []  # Every process started here, in order.
+    self._latest: dict[int, _Run] = {}
+    self._changed = threading.Condition()
+    self._logs = tempfile.mkdtemp(prefix="tfdist-tasks-")
+    if start:
+      try:
+        self.start()
+      except BaseException:
+        self.close()
+        raise
+
+  @classmethod
+  def of_script(cls, script: str, configs: Sequence[dict | None] = (None,),
+                *, args: Sequence[str] = (),
+                env: Mapping[str, str] | None = None,
+                start: bool = True) -> Tasks:
+    """One task of ``tests/scripts/<script>`` per TF_CONFIG in ``configs``.
+
+    A ``None`` config runs the script without TF_CONFIG.
+    """
+    argv = [sys.executable, os.path.join(SCRIPTS, script), *args]
+    envs = [base_env({**(env or {}), "TF_CONFIG": json.dumps(c)})
+            if c is not None else base_env(env) for c in configs]
+    return cls(commands=[argv] * len(envs), envs=envs, start=start)
+
+  def __enter__(self) -> Tasks:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+  def start(self, *indices: int) -> None:
+    """Starts the tasks ``indices``, every task when none is named."""
+    for index in indices or range(len(self._commands)):
+      err_path = None
+      if not self._merge_stderr:
+        n = sum(1 for run in self._runs if run.index == index)
+        err_path = os.path.join(self._logs, f"task{index}-{n}.err")
+      with (open(err_path, "w") if err_path is not None
+            else contextlib.nullcontext(subprocess.STDOUT)) as err:
+        proc = subprocess.Popen(
+            self._commands[index], env=self._envs[index], cwd=self._cwd,
+            stdout=subprocess.PIPE, stderr=err, text=True,
+            start_new_session=True)
+      run = _Run(index, proc, err_path)
+      run.reader = threading.Thread(target=self._read, args=(run,),
+                                    daemon=True)
+      with self._changed:
+        self._runs.append(run)
+        self._latest[index] = run
+      run.reader.start()
+
+  def _read(self, run: _Run) -> None:
+    try:
+      for line in run.proc.stdout:
+        with self._changed:
+          run.stdout.append(line)
+          self._changed.notify_all()
+    except (OSError, ValueError):
+      pass  # Closed under us.
+    finally:
+      with self._changed:
+        run.eof = True
+        self._changed.notify_all()
+
+  def _run(self, index: int) -> _Run:
+    try:
+      return self._latest[index]
+    except KeyError:
+      raise AssertionError(f"task {index} was never started") from None
+
+  # -------------------------------------------------------- output.
+
+  def pid(self, index: int) -> int:
+    """The PID (and process group, and session) of task ``index``."""
+    return self._run(index).proc.pid
+
+  def running(self, index: int) -> bool:
+    return self._run(index).proc.poll() is None
+
+  def lines(self, index: int) -> list[str]:
+    """The stdout lines task ``index`` printed so far, without newlines."""
+    run = self._run(index)
+    with self._changed:
+      return [line.rstrip("\n") for line in run.stdout]
+
+  def stdout(self, index: int) -> str:
+    run = self._run(index)
+    with self._changed:
+      return "".join(run.stdout)
+
+  def stderr(self, index: int) -> str:
+    """Task ``index``'s stderr (its stdout too, with ``merge_stderr``)."""
+    return self._stderr(self._run(index))
+
+  def stderr_of_all(self) -> list[str]:
+    """The stderr of every process started here, the replaced ones too."""
+    return [self._stderr(run) for run in self._runs]
+
+  def _stderr(self, run: _Run) -> str:
+    if run.err_path is None:
+      with self._changed:
+        return "".join(run.stdout)
+    if run.stderr is not None:
+      return run.stderr
+    with open(run.err_path, errors="replace") as f:
+      return f.read()
+
+  def json(self, index: int) -> dict:
+    """The last line task ``index`` printed that parses as a JSON object."""
+    return _json_line(self.stdout(index), self.stderr(index))
+
+  def result(self, index: int) -> Result:
+    """The exit code and output of task ``index``, which has ended."""
+    return Result(self._run(index).proc.returncode, self.stdout(index),
+                  self.stderr(index))
+
+  # -------------------------------------------------------- bounded waits.
+
+  def wait_for(self, index: int, line: LineTest, timeout: float) -> str:
+    """The first stdout line of task ``index`` that is ``line`` (or, for a
+    callable, for which ``line`` holds), waiting at most ``timeout`` s."""
+    matches = line if callable(line) else line.__eq__
+    run = self._run(index)
+    deadline = time.monotonic() + timeout
+    seen = 0
+    with self._changed:
+      while True:
+        for text in run.stdout[seen:]:
+          if matches(text.rstrip("\n")):
+            return text.rstrip("\n")
+        seen = len(run.stdout)
+        remaining = deadline - time.monotonic()
+        if run.eof or remaining <= 0:
+          break
+        self._changed.wait(min(remaining, 1.0))
+    what = repr(line) if isinstance(line, str) else "the line waited for"
+    raise AssertionError(
+        f"task {index} never printed {what} within {timeout} s (exit code "
+        f"{run.proc.poll()}); stdout tail: {self.lines(index)[-5:]}\n"
+        f"stderr tail:\n{tail(self._stderr(run))}")
+
+  def wait(self, index: int, timeout: float) -> int:
+    """The exit code of task ``index``, which must end within ``timeout``."""
+    return self._wait(self._run(index), time.monotonic() + timeout, timeout)
+
+  def wait_all(self, timeout: float) -> list[int]:
+    """Exit codes, in task order; every task must end within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    return [self._wait(self._latest[index], deadline, timeout)
+            for index in sorted(self._latest)]
+
+  def finish(self, timeout: float) -> list[Result]:
+    """`wait_all`, then every task's `result`."""
+    self.wait_all(timeout)
+    return [self.result(index) for index in sorted(self._latest)]
+
+  def _wait(self, run: _Run, deadline: float, timeout: float) -> int:
+    try:
+      code = run.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      raise AssertionError(
+          f"task {run.index} ({shlex.join(run.proc.args)}) still running "
+          f"after {timeout} s:\n{tail(self._stderr(run))}") from None
+    # Its last lines: the reader ends at the end of the pipe.
+    run.reader.join(timeout=max(0.1, deadline - time.monotonic()))
+    return code
+
+  # -------------------------------------------------------- signals.
+
+  def signal(self, index: int, signum: int, *, group: bool = False) -> None:
+    """Sends ``signum`` to task ``index``'s process, or with ``group`` to its
+    process group, as tfdist launch, srun and scancel do."""
+    proc = self._run(index).proc
+    if not group:
+      proc.send_signal(signum)
+    elif proc.poll() is None:  # Not reaped: its PID is still its group's.
+      os.killpg(proc.pid, signum)
+
+  def kill(self, index: int) -> None:
+    """SIGKILL to task ``index``'s process group."""
+    self.signal(index, signal.SIGKILL, group=True)
+
+  def close(self) -> None:
+    """SIGKILLs the process group of every process started here that still
+    runs (only those); their output stays readable."""
+    for run in self._runs:
+      if run.proc.poll() is None:
+        os.killpg(run.proc.pid, signal.SIGKILL)
+      run.proc.wait(timeout=30)
+    for run in self._runs:
+      run.reader.join(timeout=10)  # At the end of its pipe now.
+      if not run.reader.is_alive():
+        run.proc.stdout.close()
+      if run.err_path is not None and run.stderr is None:
+        run.stderr = self._stderr(run)
+    shutil.rmtree(self._logs, ignore_errors=True)
+
+
+# ------------------------------------------------------------ to the end.
 
 
 def worker_configs(num_workers: int, *, num_ps: int = 0,
                    chief: bool = False) -> list[dict]:
   """One TF_CONFIG dict per task, on free ports: chief, workers, then ps."""
-  return localhost.cluster_tf_configs(
+  return _net.cluster_tf_configs(
       {"chief": int(chief), "worker": num_workers, "ps": num_ps})
 
 
@@ -88,42 +392,43 @@ def run_processes(commands: Sequence[Sequence[str]],
                   envs: Sequence[Mapping[str, str]], *,
                   timeout: float) -> list[Result]:
   """Runs the commands concurrently; kills all of them past ``timeout``."""
-  procs = [subprocess.Popen(list(cmd), env=dict(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-           for cmd, env in zip(commands, envs)]
-  deadline = time.monotonic() + timeout
-  results = []
-  try:
-    for proc in procs:
-      remaining = max(0.1, deadline - time.monotonic())
-      try:
-        out, err = proc.communicate(timeout=remaining)
-      except subprocess.TimeoutExpired:
-        raise AssertionError(
-            f"process {proc.args} did not finish within {timeout} s") from None
-      results.append(Result(proc.returncode, out, err))
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-  return results
+  with Tasks(commands=commands, envs=envs) as tasks:
+    return tasks.finish(timeout)
 
 
-def run_cluster(script: str, configs: Sequence[dict], *, args: Sequence[str] = (),
-                timeout: float = 120, env: Mapping[str, str] | None = None
-                ) -> list[Result]:
-  """Runs ``tests/scripts/<script>`` once per TF_CONFIG."""
-  path = os.path.join(SCRIPTS, script)
-  return run_processes(
-      [[sys.executable, path, *args] for _ in configs],
-      [base_env({**(env or {}), "TF_CONFIG": json.dumps(c)}) for c in configs],
-      timeout=timeout)
+def run_alone(argv: Sequence[str], *, env: Mapping[str, str], cwd: str,
+              timeout: float) -> tuple[Result, list[int]]:
+  """Runs ``argv`` in a session of its own; returns its result and the PIDs
+  of any process it left behind (those are killed before returning)."""
+  with Tasks(commands=[argv], envs=[env], cwd=cwd) as tasks:
+    tasks.wait(0, timeout)
+    left = session_processes(tasks.pid(0))
+    for pid in left:
+      os.kill(pid, signal.SIGKILL)
+    return tasks.result(0), left
+
+
+def run_cluster(script: str, configs: Sequence[dict | None], *,
+                args: Sequence[str] = (), timeout: float = 120,
+                env: Mapping[str, str] | None = None) -> list[Result]:
+  """Runs ``tests/scripts/<script>`` once per TF_CONFIG (None: without)."""
+  with Tasks.of_script(script, configs, args=args, env=env) as tasks:
+    return tasks.finish(timeout)
 
 
 def run_script(script: str, *, args: Sequence[str] = (), timeout: float = 120,
                env: Mapping[str, str] | None = None) -> Result:
   """Runs one ``tests/scripts/<script>`` without TF_CONFIG."""
-  return run_processes([[sys.executable, os.path.join(SCRIPTS, script), *args]],
-                       [base_env(env)], timeout=timeout)[0]
+  return run_cluster(script, [None], args=args, timeout=timeout, env=env)[0]
+
+
+def run_to_end(script: str, configs: Sequence[dict | None] = (None,), *,
+               args: Sequence[str] = (), timeout: float = 240,
+               env: Mapping[str, str] | None = None) -> list[dict]:
+  """`run_cluster`, where every task must exit 0; each task's JSON line."""
+  results = run_cluster(script, configs, args=args, timeout=timeout, env=env)
+  for i, result in enumerate(results):
+    if result.returncode != 0:
+      raise AssertionError(f"task {i} exited {result.returncode}:\n"
+                           f"{tail(result.stderr)}")
+  return [result.json() for result in results]

@@ -1,8 +1,9 @@
 """Test-session set-up: split the CPU into 2 logical devices.
 
 Single-process strategies (Mirrored, CentralStorage) get 2 replicas this way.
-Multi-worker and parameter-server tests run in their own processes
-(tests/cluster_utils.py), because collective ops must be configured before
+Multi-worker and parameter-server tests run in their own processes, started,
+watched and ended by the one live-cluster harness, tests/cluster_utils.py
+(`cluster_utils.Tasks`), because collective ops must be configured before
 TensorFlow starts and a process can join only one cluster.
 """
 

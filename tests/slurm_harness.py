@@ -39,7 +39,7 @@ import time
 import unittest
 from typing import Mapping, Sequence
 
-from tfdist import localhost
+from tfdist import _net
 
 __all__ = [
     "LocalSlurm",
@@ -308,7 +308,7 @@ class LocalSlurm:
         f"--seed-file={root}/munge/munged.seed"])
     self._wait(lambda: os.path.exists(munge_socket), "munged socket")
 
-    ctld_port, *node_ports = localhost.free_ports(1 + len(self.nodes))
+    ctld_port, *node_ports = _net.free_ports(1 + len(self.nodes))
     hostname = local_node_name()
     node_lines = "\n".join(
         f"NodeName={node} NodeHostname={node} NodeAddr=127.0.0.1 "

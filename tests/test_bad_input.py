@@ -120,14 +120,16 @@ class StrategyMismatchTest(parameterized.TestCase):
 
 
 class LaunchSpecTest(parameterized.TestCase):
+  """Values that cannot work fail when the spec is built; what this machine
+  must provide (program, script, free ports) fails in `launch.preflight`."""
 
   @parameterized.named_parameters(
-      ("zero_workers", dict(workers=0), "--workers"),
-      ("negative_ps", dict(ps=-1), "--ps"),
-      ("negative_restarts", dict(max_restarts=-1), "--max-restarts"),
-      ("zero_grace", dict(grace_seconds=0), "--grace-seconds"),
-      ("low_port", dict(port_base=80), "--port-base"),
-      ("high_port", dict(port_base=65535, workers=3), "--port-base"),
+      ("zero_workers", dict(num_workers=0), "num_workers"),
+      ("negative_ps", dict(num_ps=-1), "num_ps"),
+      ("negative_restarts", dict(max_restarts=-1), "max_restarts"),
+      ("zero_grace", dict(grace_seconds=0), "grace_seconds"),
+      ("low_port", dict(port_base=80), "port_base"),
+      ("high_port", dict(port_base=65535, num_workers=3), "port_base"),
       ("no_command", dict(command=()), "command"),
       ("missing_program", dict(command=("no-such-program-xyz",)), "command"),
       ("missing_script", dict(command=(PY, "/no/such/script.py")), "script"),
@@ -136,15 +138,16 @@ class LaunchSpecTest(parameterized.TestCase):
     kwargs = dict(command=(PY, "-c", "pass"))
     kwargs.update(overrides)
     with self.assertRaises(tfdist.TfdistError) as caught:
-      launch.LaunchSpec(**kwargs)
+      launch.preflight(launch.LaunchSpec(**kwargs))
     self.assertIn(field, str(caught.exception))
 
   def test_port_taken(self):
     with socket.socket() as s:
       s.bind(("127.0.0.1", 0))
       port = s.getsockname()[1]
+      spec = launch.LaunchSpec(command=(PY, "-c", "pass"), port_base=port)
       with self.assertRaises(tfdist.ConfigError) as caught:
-        launch.LaunchSpec(command=(PY, "-c", "pass"), port_base=port)
+        launch.preflight(spec)
     self.assertIn(f"port {port}", str(caught.exception))
 
 

@@ -1,18 +1,22 @@
 """`tfdist bench --quick` runs and writes a well-formed report and plot.
 
-Benchmarks are not timed tests: nothing here asserts a speed.
+Benchmarks are not timed tests: nothing here asserts a speed. The quick bench
+runs once, in `QuickBenchTest.setUpClass`, and every check reads its output.
 """
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 
-import pytest
+from absl.testing import absltest
+from absl.testing import parameterized
 
-from tests import cluster_utils
+import cluster_utils
 from tfdist.bench import allreduce
 from tfdist.bench import report as report_lib
 from tfdist.bench import scaling
@@ -36,102 +40,126 @@ def _marked(mark: str) -> list[int]:
   return found
 
 
-@pytest.fixture(scope="module")
-def quick_report(tmp_path_factory):
-  out = tmp_path_factory.mktemp("bench")
-  json_path, plot_path = out / "report.json", out / "plot.png"
-  mark = uuid.uuid4().hex
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "tfdist", "bench", "--quick", "--json",
-       str(json_path), "--plot", str(plot_path)],
-      env=cluster_utils.base_env({"TFDIST_BENCH_TEST_MARK": mark}),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-      start_new_session=True)
-  try:
-    stdout, stderr = proc.communicate(timeout=420)
-  except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    raise AssertionError("tfdist bench --quick ran past 420 s") from None
-  left = _marked(mark)  # Workers run in sessions of their own.
-  assert proc.returncode == 0, stderr[-3000:]
-  return {"report": json.loads(json_path.read_text()), "plot": plot_path,
-          "stdout": stdout, "left": left}
+class QuickBenchTest(absltest.TestCase):
+  """One ``tfdist bench --quick`` run, read by every test."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    out = tempfile.mkdtemp(prefix="tfdist-bench-")
+    cls.addClassCleanup(shutil.rmtree, out, ignore_errors=True)
+    json_path = os.path.join(out, "report.json")
+    cls.plot_path = os.path.join(out, "plot.png")
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tfdist", "bench", "--quick", "--json",
+         json_path, "--plot", cls.plot_path],
+        env=cluster_utils.base_env({"TFDIST_BENCH_TEST_MARK": mark}),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+      cls.stdout, stderr = proc.communicate(timeout=420)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.communicate()
+      raise AssertionError("tfdist bench --quick ran past 420 s") from None
+    cls.left = _marked(mark)  # Workers run in sessions of their own.
+    if proc.returncode != 0:
+      raise AssertionError(stderr[-3000:])
+    with open(json_path) as f:
+      cls.report = json.load(f)
+
+  def test_report_is_well_formed(self):
+    report = self.report
+    report_lib.validate(report)
+    self.assertContainsSubset(report_lib.HEADLINE_KEYS, set(report))
+    self.assertEqual(set(report["scaling_efficiency"]), {"cnn", "mlp"})
+    self.assertEqual({t.key for t in report_lib.TARGETS},
+                     set(report["targets"]))
+    self.assertIs(report["config"]["quick"], True)
+    self.assertEqual(set(report["raw"]["overhead"]),
+                     {"fit", "keras_fit", "runner"})
+    sweep = report["raw"]["allreduce"]["sweep"]
+    self.assertEqual(set(sweep), set(allreduce.METHODS))
+    self.assertContainsSubset({"none", "fp16", "bf16", "socket",
+                               "socket_fp16", "socket_bf16"}, set(sweep))
+    self.assertGreater(report["raw"]["allreduce"]["loopback_bytes_per_s"], 0)
+    self.assertEqual(
+        report["raw"]["allreduce"]["method"],
+        allreduce.method_name(scaling.RECOMMENDED["transport"],
+                              scaling.RECOMMENDED["compression"]))
+    self.assertEqual(report["raw"]["scaling"]["worker_counts"][:2], [1, 2])
+    self.assertEqual(report["config"]["recommended_options"],
+                     scaling.RECOMMENDED)
+    # The machine's ceilings, measured in the same run.
+    for key in ("scaling_efficiency.cnn", "allreduce_fraction_of_loopback"):
+      entry = report["targets"][key]
+      self.assertGreater(entry["machine_ceiling"], 0, entry)
+      expected = entry["value"] / entry["machine_ceiling"]
+      # pytest.approx's tolerance: relative 1e-6, absolute 1e-12.
+      self.assertAlmostEqual(entry["share_of_ceiling"], expected,
+                             delta=max(1e-6 * abs(expected), 1e-12))
+    self.assertEqual(set(report["raw"]["scaling"]["scaling_ceiling"]),
+                     {"cnn", "mlp"})
+    for entry in report["targets"].values():  # A miss says by how much, why.
+      self.assertTrue(entry["met"] or (entry["short_by"] > 0 and entry["why"]),
+                      entry)
+    self.assertIn("| machine ceiling |", self.stdout)
+
+  def test_workers_are_pinned_one_core_each(self):
+    pinning = self.report["config"]["pinning"]
+    self.assertIs(pinning["pinned"], True)
+    cores = os.sched_getaffinity(0)
+    for n, by_worker in pinning["cores_by_workers"].items():
+      self.assertLen(by_worker, int(n))
+      for worker, pinned in by_worker.items():
+        self.assertEqual(pinned, [sorted(cores)[int(worker) % len(cores)]])
+
+  def test_plot_is_a_png(self):
+    with open(self.plot_path, "rb") as f:
+      self.assertEqual(f.read()[:8], PNG_MAGIC)
+
+  def test_table_printed(self):
+    self.assertIn("| overhead_ratio |", self.stdout)
+
+  def test_nothing_left_behind(self):
+    self.assertEqual(self.left, [])
 
 
-def test_report_is_well_formed(quick_report):
-  report = quick_report["report"]
-  report_lib.validate(report)
-  assert set(report_lib.HEADLINE_KEYS) <= set(report)
-  assert set(report["scaling_efficiency"]) == {"cnn", "mlp"}
-  assert {t.key for t in report_lib.TARGETS} == set(report["targets"])
-  assert report["config"]["quick"] is True
-  assert set(report["raw"]["overhead"]) == {"fit", "keras_fit", "runner"}
-  sweep = report["raw"]["allreduce"]["sweep"]
-  assert set(sweep) == set(allreduce.METHODS)
-  assert {"none", "fp16", "bf16", "socket", "socket_fp16",
-          "socket_bf16"} <= set(sweep)
-  assert report["raw"]["allreduce"]["loopback_bytes_per_s"] > 0
-  assert report["raw"]["allreduce"]["method"] == allreduce.method_name(
-      scaling.RECOMMENDED["transport"], scaling.RECOMMENDED["compression"])
-  assert report["raw"]["scaling"]["worker_counts"][:2] == [1, 2]
-  assert report["config"]["recommended_options"] == scaling.RECOMMENDED
-  # The machine's ceilings, measured in the same run.
-  for key in ("scaling_efficiency.cnn", "allreduce_fraction_of_loopback"):
-    entry = report["targets"][key]
-    assert entry["machine_ceiling"] > 0, entry
-    assert entry["share_of_ceiling"] == pytest.approx(
-        entry["value"] / entry["machine_ceiling"])
-  assert set(report["raw"]["scaling"]["scaling_ceiling"]) == {"cnn", "mlp"}
-  for entry in report["targets"].values():  # A miss says by how much, and why.
-    assert entry["met"] or (entry["short_by"] > 0 and entry["why"]), entry
-  assert "| machine ceiling |" in quick_report["stdout"]
+class ReportTest(parameterized.TestCase):
+
+  def test_missed_target_says_by_how_much_and_why(self):
+    target = report_lib.Target(key="x", bound=0.9)
+    self.assertIn("out of reach on this machine",
+                  report_lib._why(target, 0.6, 0.75))
+    self.assertIn("allowed 0.950", report_lib._why(target, 0.6, 0.95))
+    self.assertIn("no ceiling", report_lib._why(target, 0.6, None))
+
+  def test_validate_names_the_bad_key(self):
+    with self.assertRaisesRegex(report_lib.ReportError,
+                                "overhead_ratio: missing"):
+      report_lib.validate({})
+
+  @parameterized.named_parameters(
+      ("two_cores", 2, [1, 2]),
+      ("five_cores", 5, [1, 2, 4]),
+      ("sixteen_cores", 16, [1, 2, 4, 8]),
+  )
+  def test_worker_counts_follow_cores(self, cores, counts):
+    self.assertEqual(scaling.worker_counts(cores), counts)
 
 
-def test_workers_are_pinned_one_core_each(quick_report):
-  pinning = quick_report["report"]["config"]["pinning"]
-  assert pinning["pinned"] is True
-  cores = os.sched_getaffinity(0)
-  for n, by_worker in pinning["cores_by_workers"].items():
-    assert len(by_worker) == int(n)
-    for worker, pinned in by_worker.items():
-      assert pinned == [sorted(cores)[int(worker) % len(cores)]]
+class BenchCliTest(absltest.TestCase):
+
+  def test_unknown_flag_is_one_line_exit_2(self):
+    result = subprocess.run(
+        [sys.executable, "-m", "tfdist", "bench", "--nope"],
+        env=cluster_utils.base_env(), capture_output=True, text=True,
+        timeout=60)
+    self.assertEqual(result.returncode, 2)
+    self.assertStartsWith(result.stderr, "tfdist: ")
+    self.assertLen(result.stderr.strip().splitlines(), 1)
 
 
-def test_plot_is_a_png(quick_report):
-  assert quick_report["plot"].read_bytes()[:8] == PNG_MAGIC
-
-
-def test_table_printed(quick_report):
-  assert "| overhead_ratio |" in quick_report["stdout"]
-
-
-def test_nothing_left_behind(quick_report):
-  assert quick_report["left"] == []
-
-
-def test_missed_target_says_by_how_much_and_why():
-  target = report_lib.Target(key="x", bound=0.9)
-  assert "out of reach on this machine" in report_lib._why(target, 0.6, 0.75)
-  assert "allowed 0.950" in report_lib._why(target, 0.6, 0.95)
-  assert "no ceiling" in report_lib._why(target, 0.6, None)
-
-
-def test_validate_names_the_bad_key():
-  with pytest.raises(report_lib.ReportError, match="overhead_ratio: missing"):
-    report_lib.validate({})
-
-
-def test_worker_counts_follow_cores():
-  assert scaling.worker_counts(2) == [1, 2]
-  assert scaling.worker_counts(5) == [1, 2, 4]
-  assert scaling.worker_counts(16) == [1, 2, 4, 8]
-
-
-def test_unknown_flag_is_one_line_exit_2():
-  result = subprocess.run([sys.executable, "-m", "tfdist", "bench", "--nope"],
-                          env=cluster_utils.base_env(), capture_output=True,
-                          text=True, timeout=60)
-  assert result.returncode == 2
-  assert result.stderr.startswith("tfdist: ")
-  assert len(result.stderr.strip().splitlines()) == 1
+if __name__ == "__main__":
+  absltest.main()

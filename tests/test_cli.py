@@ -16,7 +16,8 @@ TWO_WORKERS = {"cluster": {"worker": ["127.0.0.1:{p0}", "127.0.0.1:{p1}"]},
 
 def _tfdist(*args, env=None, module=False, timeout=120):
   command = ([sys.executable, "-m", "tfdist"] if module else
-             [sys.executable, "-c", "from tfdist import cli; cli.console_main()"])
+             [sys.executable, "-c",
+              "from tfdist.cli import main; main.console_main()"])
   return subprocess.run(command + list(args), env=cluster_utils.base_env(env),
                         capture_output=True, text=True, timeout=timeout,
                         cwd=cluster_utils.REPO)
@@ -84,6 +85,11 @@ class ErrorContractTest(parameterized.TestCase):
        "h:1"),
       ("unknown_command", ["frobnicate"], {}, "frobnicate"),
       ("unknown_flag", ["info", "--jsn"], {}, "--jsn"),
+      ("abbreviated_flag", ["info", "--js"], {}, "--js"),
+      ("launch_command_without_dashes",
+       ["launch", sys.executable, "-c", "pass"], {}, "-- and the program"),
+      ("slurm_command_without_dashes", ["slurm", "python", "t.py"], {},
+       "-- and the program"),
   )
   def test_exit_two_one_line(self, args, env, needle):
     r = _tfdist(*args, env=env)
@@ -94,6 +100,37 @@ class ErrorContractTest(parameterized.TestCase):
     self.assertIn(needle, lines[0])
     self.assertNotIn("Traceback", r.stderr)
     self.assertEqual(r.stdout, "")
+
+
+# Runs the command as `python -m tfdist` does, then lists what it imported.
+_IMPORTS_OF = """
+import json, runpy, sys
+sys.argv = ["tfdist", *sys.argv[1:]]
+try:
+  runpy.run_module("tfdist", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+  code = e.code
+print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
+"""
+
+
+class HelpTest(parameterized.TestCase):
+  """``--help`` answers at once: it loads no TensorFlow, Keras or NumPy."""
+
+  @parameterized.named_parameters(
+      ("tfdist", []), ("launch", ["launch"]), ("slurm", ["slurm"]),
+      ("info", ["info"]), ("bench", ["bench"]))
+  def test_help_loads_no_tensorflow(self, args):
+    r = subprocess.run([sys.executable, "-c", _IMPORTS_OF, *args, "--help"],
+                       env=cluster_utils.base_env(), capture_output=True,
+                       text=True, timeout=60, cwd=cluster_utils.REPO)
+    self.assertEqual(r.returncode, 0, r.stderr)
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    self.assertEqual(result["code"], 0)
+    self.assertIn("usage: tfdist", r.stdout)
+    heavy = [m for m in result["modules"]
+             if m.split(".")[0] in ("tensorflow", "keras", "numpy")]
+    self.assertEqual(heavy, [])
 
 
 class PublicApiTest(absltest.TestCase):

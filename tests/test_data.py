@@ -45,7 +45,7 @@ def _digits_dir() -> str:
   global _DIGITS_DIR
   if _DIGITS_DIR is None:
     path = tempfile.mkdtemp(prefix="tfdist_digits_")
-    synthetic.prepare(path)
+    data.prepare_digits(path)
     _DIGITS_DIR = path
   return _DIGITS_DIR
 

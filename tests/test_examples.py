@@ -6,7 +6,6 @@ command line, which stops at TPU system initialization (no TPU here).
 """
 
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -42,8 +41,9 @@ def _command(example, *flags):
 
 
 def _run(argv, timeout=300):
-  return subprocess.run(argv, env=cluster_utils.base_env(), timeout=timeout,
-                        capture_output=True, text=True, cwd=cluster_utils.REPO)
+  result, _ = cluster_utils.run_alone(argv, env=cluster_utils.base_env(),
+                                      cwd=cluster_utils.REPO, timeout=timeout)
+  return result
 
 
 @pytest.mark.timeout(900)

@@ -15,7 +15,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import flags as tfdist_flags
-from tfdist.errors import ConfigError
+from tfdist import ConfigError
 
 
 def _parsed(*args: str) -> flags.FlagValues:
@@ -225,6 +225,41 @@ class InvalidFlagsTest(parameterized.TestCase):
     with self.assertRaises(flags.IllegalFlagValueError) as e:
       fv(["prog", *args])
     self.assertIn(flag, str(e.exception))
+
+  @parameterized.named_parameters(
+      ("alg_takers", ["--strategy=one_device", "--all_reduce_alg=nccl"],
+       "it takes none (mirrored and multi_worker_mirrored do)"),
+      ("alg_valid", ["--strategy=mirrored", "--all_reduce_alg=ring"],
+       "it takes hierarchical_copy, nccl, reduction_to_one_device"),
+      ("gpu_takers", ["--strategy=tpu", "--num_gpus=1"],
+       "it applies to central_storage, default, mirrored, off, one_device."),
+      ("gpu_most", ["--strategy=off", "--num_gpus=2"],
+       "which uses at most 1; use --strategy=mirrored"),
+      ("roles_takers", ["--strategy=mirrored", "--slurm_roles=worker=2"],
+       "--slurm_roles is for auto, multi_worker_mirrored and "
+       "parameter_server"),
+      ("hosts_ps", ["--strategy=parameter_server", "--worker_hosts=a:1"],
+       "it needs ps and chief tasks too; use TF_CONFIG, tfdist launch or "
+       "--slurm_roles"),
+      ("hosts_tpu", ["--strategy=tpu", "--worker_hosts=a:1"],
+       "a TPU strategy has no worker hosts"),
+      ("hosts_one_process", ["--strategy=default", f"--worker_hosts={_TWO_HOSTS}",
+                             "--task_index=0"],
+       "runs in one process; use --strategy=multi_worker_mirrored or auto"),
+  )
+  def test_messages_from_the_catalog(self, args, message):
+    fv = flags.FlagValues()
+    tfdist_flags.define_flags(flag_values=fv)
+    with self.assertRaises(flags.IllegalFlagValueError) as e:
+      fv(["prog", *args])
+    self.assertIn(message, str(e.exception))
+
+  def test_all_reduce_alg_help_lists_each_strategys_values(self):
+    fv = flags.FlagValues()
+    tfdist_flags.define_flags(flag_values=fv)
+    self.assertIn("mirrored: nccl, hierarchical_copy, reduction_to_one_device;"
+                  " multi_worker_mirrored: ring, nccl.",
+                  fv["all_reduce_alg"].help)
 
   def test_parse_flags_prints_one_tfdist_line_and_exits_2(self):
     fv = flags.FlagValues()

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 import pytest
 
 import slurm_harness
-from tfdist.cluster.hostlist import MAX_RANGE
-from tfdist.cluster.hostlist import expand_hostlist
-from tfdist.cluster.hostlist import expand_tasks_per_node
-from tfdist.errors import ConfigError
+from tfdist import ConfigError
+from tfdist import expand_hostlist
+from tfdist import expand_tasks_per_node
+from tfdist.cluster.hostlist import MAX_RANGE  # The parser's own bound.
 
 pytestmark = pytest.mark.timeout(60)
 

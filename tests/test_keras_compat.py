@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist.training import keras_compat
+from tfdist._compat import keras as keras_compat
 import cluster_utils
 
 ALL_FIXES = ("atomic_assign_add", "jit_compile_multi_replica",
@@ -71,7 +71,7 @@ def _upstream_keras():
 def _upstream_fixed(fix: str) -> str:
   return (f"upstream fixed {fix} in keras {keras.__version__}: drop the "
           f"correction (set fixed_in={keras.__version__!r} for {fix!r} in "
-          "tfdist/training/keras_compat.py)")
+          "tfdist/_compat/keras.py)")
 
 
 class VersionGateTest(parameterized.TestCase):

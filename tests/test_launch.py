@@ -15,7 +15,9 @@ from absl.testing import parameterized
 import pytest
 
 import cluster_utils
-from tfdist import localhost
+import tfdist
+from tfdist import _net
+from tfdist import launch
 
 TASK = os.path.join(cluster_utils.SCRIPTS, "launch_task.py")
 LAUNCH = [sys.executable, "-m", "tfdist", "launch"]
@@ -52,7 +54,7 @@ class ClusterTfConfigsTest(parameterized.TestCase):
       ("ipv6", {"worker": 1}, "::1", 23456, [("worker", 0)]),
   )
   def test_one_cluster_distinct_ports(self, jobs, host, base, tasks):
-    configs = localhost.cluster_tf_configs(jobs, host=host, port_base=base)
+    configs = _net.cluster_tf_configs(jobs, host=host, port_base=base)
     self.assertEqual([(c["task"]["type"], c["task"]["index"])
                       for c in configs], tasks)
     cluster = configs[0]["cluster"]
@@ -65,6 +67,35 @@ class ClusterTfConfigsTest(parameterized.TestCase):
     self.assertTrue(all(a.startswith(where + ":") for a in addresses))
     if base:
       self.assertEqual(ports, list(range(base, base + len(ports))))
+
+
+class LaunchSpecTest(absltest.TestCase):
+  """A `LaunchSpec` is a pure value: building one touches nothing."""
+
+  def test_building_does_no_io(self):
+    with socket.socket() as held, tempfile.TemporaryDirectory() as d:
+      held.bind(("127.0.0.1", 0))
+      held.listen()
+      port = held.getsockname()[1]
+      log_dir = os.path.join(d, "logs")
+      spec = launch.LaunchSpec(command=("no-such-program-xyz", "x.py"),
+                               num_workers=2, num_ps=1, port_base=port,
+                               log_dir=log_dir)
+      self.assertFalse(os.path.exists(log_dir))
+      with self.assertRaises(tfdist.ConfigError):
+        launch.preflight(spec)
+    self.assertEqual(spec.jobs, {"chief": 1, "worker": 2, "ps": 1})
+    self.assertEqual(spec.num_tasks, 4)
+    self.assertEqual([c["task"]["type"] for c in spec.tf_configs()],
+                     ["chief", "worker", "worker", "ps"])
+
+  def test_frozen_and_keyword_only(self):
+    spec = launch.LaunchSpec(command=["python", "t.py"])
+    self.assertEqual(spec.command, ("python", "t.py"))
+    with self.assertRaises(AttributeError):
+      spec.num_workers = 2  # type: ignore[misc]
+    with self.assertRaises(TypeError):
+      launch.LaunchSpec(("python", "t.py"))  # pylint: disable=too-many-function-args
 
 
 @pytest.mark.timeout(120)
@@ -168,6 +199,10 @@ class LaunchBadInputTest(parameterized.TestCase):
   )
   def test_bad_command(self, command, needle):
     self._assert_usage_error(["--workers", "1", "--"] + command, needle)
+
+  def test_command_needs_dashes(self):
+    self._assert_usage_error(["--workers", "1", sys.executable, TASK, "ok"],
+                             "-- and the program")
 
   def test_port_range_taken(self):
     with socket.socket() as s:

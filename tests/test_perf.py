@@ -5,20 +5,16 @@ makes; the same all-reduce hook runs under MultiWorkerMirrored in the bench
 (tests/test_bench.py).
 """
 
+from absl.testing import absltest
+from absl.testing import parameterized
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import tfdist
 from tfdist import perf
 
 DEVICES = ["/cpu:0", "/cpu:1"]
-
-
-@pytest.fixture(scope="module")
-def strategy():
-  return tfdist.make_strategy("mirrored", devices=DEVICES)
 
 
 def _data(n=256, seed=0):
@@ -46,109 +42,130 @@ def _weights(model):
   return [np.asarray(w) for w in model.get_weights()]
 
 
-def test_options_validate():
-  with pytest.raises(tfdist.ConfigError, match=r"\['bf16', 'fp16', 'none'\]"):
-    perf.GradientOptions(compression="int8")
-  with pytest.raises(tfdist.ConfigError, match="bytes_per_pack"):
-    perf.GradientOptions(bytes_per_pack=-1)
-  assert perf.COMPRESSIONS == ("bf16", "fp16", "none")
+class OptionsTest(absltest.TestCase):
+  """Options and codecs, without training."""
+
+  def test_options_validate(self):
+    with self.assertRaisesRegex(tfdist.ConfigError,
+                                r"\['bf16', 'fp16', 'none'\]"):
+      perf.GradientOptions(compression="int8")
+    with self.assertRaisesRegex(tfdist.ConfigError, "bytes_per_pack"):
+      perf.GradientOptions(bytes_per_pack=-1)
+    self.assertEqual(perf.COMPRESSIONS, ("bf16", "fp16", "none"))
+
+  def test_codec_casts_only_float32(self):
+    codec = perf.get_compression("fp16")
+    self.assertEqual(codec.encode(tf.ones([3])).dtype, tf.float16)
+    self.assertEqual(codec.encode(tf.ones([3], tf.int32)).dtype, tf.int32)
+    self.assertEqual(
+        codec.decode(tf.ones([3], tf.float16), tf.float32).dtype, tf.float32)
+
+  def test_accumulation_steps_validated(self):
+    with self.assertRaisesRegex(tfdist.ConfigError, "accumulation_steps"):
+      perf.accumulating_step(None, None, None, global_batch_size=8,
+                             accumulation_steps=0)
 
 
-def test_codec_casts_only_float32():
-  codec = perf.get_compression("fp16")
-  assert codec.encode(tf.ones([3])).dtype == tf.float16
-  assert codec.encode(tf.ones([3], tf.int32)).dtype == tf.int32
-  assert codec.decode(tf.ones([3], tf.float16), tf.float32).dtype == tf.float32
+class MirroredTest(parameterized.TestCase):
+  """Training under one 2-replica MirroredStrategy, shared by the class."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.strategy = tfdist.make_strategy("mirrored", devices=DEVICES)
+
+  def test_wrapping_twice_is_an_error(self):
+    with self.strategy.scope():
+      optimizer = perf.with_gradient_options(keras.optimizers.SGD(0.1),
+                                             perf.GradientOptions())
+    self.assertEqual(perf.gradient_options_of(optimizer),
+                     perf.GradientOptions())
+    with self.assertRaisesRegex(tfdist.ConfigError, "not given options before"):
+      perf.with_gradient_options(optimizer, perf.GradientOptions())
+
+  @parameterized.named_parameters(
+      ("none", "none"),
+      ("fp16", "fp16"),
+      ("bf16", "bf16"),
+  )
+  def test_all_reduce_hook_sums_in_float32(self, compression):
+    strategy = self.strategy
+    with strategy.scope():
+      optimizer = perf.with_gradient_options(
+          keras.optimizers.SGD(0.1),
+          perf.GradientOptions(compression=compression, bytes_per_pack=64))
+      var = tf.Variable(tf.zeros([5]))
+
+    @tf.function
+    def reduce():
+      def fn():
+        rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+        grad = tf.fill([5], 0.25 + tf.cast(rid, tf.float32))
+        # pylint: disable-next=protected-access
+        hook = optimizer._all_reduce_sum_gradients
+        (out, _), = hook([(grad, var)])
+        return out
+      return strategy.run(fn)
+
+    values = strategy.experimental_local_results(reduce())
+    for v in values:
+      self.assertEqual(v.dtype, tf.float32)
+      np.testing.assert_allclose(v.numpy(), np.full([5], 1.5))
+
+  @parameterized.named_parameters(
+      ("fp16", "fp16", 2e-3),
+      ("bf16", "bf16", 2e-2),
+  )
+  def test_compressed_fit_matches_plain(self, compression, rtol):
+    x, y = _data()
+    plain = _model(self.strategy)
+    packed = _model(self.strategy, options=perf.GradientOptions(
+        compression=compression, bytes_per_pack=256))
+    for model in (plain, packed):
+      model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    a, b = _weights(plain), _weights(packed)
+    for wa, wb in zip(a, b):
+      np.testing.assert_allclose(wb, wa, rtol=rtol, atol=rtol)
+    loss_plain = plain.evaluate(x, y, verbose=0)
+    loss_packed = packed.evaluate(x, y, verbose=0)
+    self.assertLessEqual(abs(loss_packed - loss_plain), 0.02 * loss_plain)
+
+  def test_accumulating_step_matches_one_large_batch(self):
+    x, y = _data()
+    global_batch = 32
+    loss_fn = keras.losses.MeanSquaredError(reduction=None)
+
+    def dataset_fn(ctx):
+      per_replica = ctx.get_per_replica_batch_size(global_batch)
+      return tf.data.Dataset.from_tensor_slices((x, y)).shard(
+          ctx.num_input_pipelines, ctx.input_pipeline_id).repeat().batch(
+              per_replica, drop_remainder=True)
+
+    finals = []
+    for k in (1, 4):
+      model = _model(self.strategy,
+                     options=perf.GradientOptions(compression="none"))
+      step = perf.accumulating_step(model, model.optimizer, loss_fn,
+                                    global_batch_size=global_batch,
+                                    accumulation_steps=k)
+      runner = tfdist.Runner(strategy=self.strategy, train_step=step,
+                             train_data=dataset_fn,
+                             options=tfdist.RunnerOptions(steps_per_loop=5))
+      logs = runner.train(10)
+      self.assertTrue(np.isfinite(logs["loss"]))
+      finals.append(_weights(model))
+    for a, b in zip(*finals):
+      np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+  def test_with_accumulation_fit_matches_one_large_batch(self):
+    x, y = _data()
+    plain = _model(self.strategy)
+    accumulated = perf.with_accumulation(_model(self.strategy), 4)
+    for model in (plain, accumulated):
+      model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(_weights(plain), _weights(accumulated)):
+      np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
 
 
-def test_wrapping_twice_is_an_error(strategy):
-  with strategy.scope():
-    optimizer = perf.with_gradient_options(keras.optimizers.SGD(0.1),
-                                           perf.GradientOptions())
-  assert perf.gradient_options_of(optimizer) == perf.GradientOptions()
-  with pytest.raises(tfdist.ConfigError, match="not given options before"):
-    perf.with_gradient_options(optimizer, perf.GradientOptions())
-
-
-@pytest.mark.parametrize("compression", ["none", "fp16", "bf16"])
-def test_all_reduce_hook_sums_in_float32(strategy, compression):
-  with strategy.scope():
-    optimizer = perf.with_gradient_options(
-        keras.optimizers.SGD(0.1),
-        perf.GradientOptions(compression=compression, bytes_per_pack=64))
-    var = tf.Variable(tf.zeros([5]))
-
-  @tf.function
-  def reduce():
-    def fn():
-      rid = tf.distribute.get_replica_context().replica_id_in_sync_group
-      grad = tf.fill([5], 0.25 + tf.cast(rid, tf.float32))
-      # pylint: disable-next=protected-access
-      hook = optimizer._all_reduce_sum_gradients
-      (out, _), = hook([(grad, var)])
-      return out
-    return strategy.run(fn)
-
-  values = strategy.experimental_local_results(reduce())
-  for v in values:
-    assert v.dtype == tf.float32
-    np.testing.assert_allclose(v.numpy(), np.full([5], 1.5))
-
-
-@pytest.mark.parametrize("compression,rtol", [("fp16", 2e-3), ("bf16", 2e-2)])
-def test_compressed_fit_matches_plain(strategy, compression, rtol):
-  x, y = _data()
-  plain = _model(strategy)
-  packed = _model(strategy, options=perf.GradientOptions(
-      compression=compression, bytes_per_pack=256))
-  for model in (plain, packed):
-    model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
-  a, b = _weights(plain), _weights(packed)
-  for wa, wb in zip(a, b):
-    np.testing.assert_allclose(wb, wa, rtol=rtol, atol=rtol)
-  loss_plain = plain.evaluate(x, y, verbose=0)
-  loss_packed = packed.evaluate(x, y, verbose=0)
-  assert abs(loss_packed - loss_plain) <= 0.02 * loss_plain
-
-
-def test_accumulating_step_matches_one_large_batch(strategy):
-  x, y = _data()
-  global_batch = 32
-  loss_fn = keras.losses.MeanSquaredError(reduction=None)
-
-  def dataset_fn(ctx):
-    per_replica = ctx.get_per_replica_batch_size(global_batch)
-    return tf.data.Dataset.from_tensor_slices((x, y)).shard(
-        ctx.num_input_pipelines, ctx.input_pipeline_id).repeat().batch(
-            per_replica, drop_remainder=True)
-
-  finals = []
-  for k in (1, 4):
-    model = _model(strategy, options=perf.GradientOptions(compression="none"))
-    step = perf.accumulating_step(model, model.optimizer, loss_fn,
-                                  global_batch_size=global_batch,
-                                  accumulation_steps=k)
-    runner = tfdist.Runner(strategy=strategy, train_step=step,
-                           train_data=dataset_fn,
-                           options=tfdist.RunnerOptions(steps_per_loop=5))
-    logs = runner.train(10)
-    assert np.isfinite(logs["loss"])
-    finals.append(_weights(model))
-  for a, b in zip(*finals):
-    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
-
-
-def test_with_accumulation_fit_matches_one_large_batch(strategy):
-  x, y = _data()
-  plain = _model(strategy)
-  accumulated = perf.with_accumulation(_model(strategy), 4)
-  for model in (plain, accumulated):
-    model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
-  for a, b in zip(_weights(plain), _weights(accumulated)):
-    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
-
-
-def test_accumulation_steps_validated():
-  with pytest.raises(tfdist.ConfigError, match="accumulation_steps"):
-    perf.accumulating_step(None, None, None, global_batch_size=8,
-                           accumulation_steps=0)
+if __name__ == "__main__":
+  absltest.main()

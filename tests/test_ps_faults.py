@@ -17,13 +17,10 @@ Every wait is bounded and every process started here is killed by its process
 group. The unit tests at the end cover fit's error mapping without a cluster.
 """
 
-import json
 import os
+import shutil
 import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 
 from absl.testing import absltest
@@ -32,137 +29,21 @@ import pytest
 import tensorflow as tf
 
 import cluster_utils
-from tfdist.errors import PREEMPTED_EXIT_CODE
-from tfdist.errors import WorkerLostError
-from tfdist.training import fit as fit_lib
+from cluster_utils import tail
+import tfdist
+from tfdist.training import _worker_errors
 
-JOB = os.path.join(cluster_utils.SCRIPTS, "ps_fault_job.py")
+JOB = "ps_fault_job.py"
 TRAIN_STEP = "tfdist-test: train step ran here"  # As in ps_fault_job.py.
 # Task indices in cluster_utils.worker_configs(2, num_ps=1, chief=True).
 CHIEF, WORKER0, WORKER1, PS = range(4)
 STEPS = 6  # Per epoch, as in ps_fault_job.py.
 
 
-class Cluster:
-  """Tasks of ps_fault_job.py; any task can be killed and started again.
-
-  Each task's stdout is read by a thread into a list of lines; its stderr
-  goes to a file. `close` SIGKILLs the process group of every task started
-  here that is still running.
-  """
-
-  def __init__(self, configs, args, tmp):
-    self._configs, self._args, self._tmp = configs, list(args), tmp
-    self._procs = {}  # Index -> the latest process started for the task.
-    self._started = []  # Every (index, process, stderr file) started here.
-    self._lines = {}
-    self._readers = []
-    self._lock = threading.Lock()
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    self.close()
-
-  def start(self, *indices):
-    for index in indices:
-      n = sum(1 for i, _, _ in self._started if i == index)
-      err = open(os.path.join(self._tmp, f"task{index}-{n}.err"), "w+")
-      proc = subprocess.Popen(
-          [sys.executable, JOB, *self._args],
-          env=cluster_utils.base_env(
-              {"TF_CONFIG": json.dumps(self._configs[index])}),
-          stdout=subprocess.PIPE, stderr=err, text=True,
-          start_new_session=True)
-      lines = []
-      reader = threading.Thread(target=self._read, args=(proc.stdout, lines),
-                                daemon=True)
-      reader.start()
-      self._readers.append(reader)
-      with self._lock:
-        self._procs[index] = proc
-        self._lines[index] = lines
-      self._started.append((index, proc, err))
-
-  def _read(self, stream, lines):
-    for line in stream:
-      with self._lock:
-        lines.append(line.rstrip("\n"))
-
-  def lines(self, index):
-    with self._lock:
-      return list(self._lines[index])
-
-  def stderr(self, index):
-    err = next(e for i, _, e in reversed(self._started) if i == index)
-    return _read(err.name)
-
-  def stderr_of_all(self):
-    """The stderr of every process started here, the replaced ones too."""
-    return [_read(err.name) for _, _, err in self._started]
-
-  def wait_for(self, index, predicate, timeout):
-    """The first stdout line of task ``index`` for which ``predicate`` holds."""
-    deadline = time.monotonic() + timeout
-    proc = self._procs[index]
-    while time.monotonic() < deadline:
-      for line in self.lines(index):
-        if predicate(line):
-          return line
-      if proc.poll() is not None:
-        time.sleep(0.5)  # The reader may not have read the last lines yet.
-        if not any(predicate(line) for line in self.lines(index)):
-          break
-      time.sleep(0.05)
-    raise AssertionError(
-        f"task {index} never printed the line waited for (exit code "
-        f"{proc.poll()}); stdout tail: {self.lines(index)[-5:]}\n"
-        f"stderr tail:\n{_tail(self.stderr(index))}")
-
-  def running(self, index):
-    return self._procs[index].poll() is None
-
-  def kill(self, index):
-    os.killpg(self._procs[index].pid, signal.SIGKILL)
-
-  def signal(self, index, signum):
-    self._procs[index].send_signal(signum)
-
-  def wait(self, index, timeout):
-    """The exit code of task ``index``, which must end within ``timeout``."""
-    try:
-      return self._procs[index].wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-      raise AssertionError(f"task {index} still running after {timeout} s:\n"
-                           f"{_tail(self.stderr(index))}") from None
-
-  def json(self, index):
-    for line in reversed(self.lines(index)):
-      if line.startswith("{"):
-        return json.loads(line)
-    raise AssertionError(f"no JSON from task {index}:\n"
-                         f"{_tail(self.stderr(index))}")
-
-  def close(self):
-    for _, proc, _ in self._started:  # Only the processes started here.
-      if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait(timeout=30)
-    for reader in self._readers:  # At the end of their pipes now.
-      reader.join(timeout=10)
-    for _, proc, err in self._started:
-      proc.stdout.close()
-      err.close()
-
-
-def _read(path):
-  with open(path) as f:
-    return f.read()
-
-
-def _tail(text, n=3000):
-  return text[-n:]
+def _cluster(configs, args, *, start=True):
+  """The tasks of ps_fault_job.py, one per config, all started unless
+  ``start`` is false."""
+  return cluster_utils.Tasks.of_script(JOB, configs, args=args, start=start)
 
 
 def _scheduled(line):
@@ -188,45 +69,57 @@ def _configs():
   return configs
 
 
+class _PsClusterTest(absltest.TestCase):
+  """A chief, two workers and a ps (`_configs`), backing up to ``backup``."""
+
+  def setUp(self):
+    super().setUp()
+    self.configs = _configs()
+    directory = tempfile.mkdtemp(prefix="tfdist-ps-faults-")
+    self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
+    self.backup = os.path.join(directory, "b")
+
+  def relaunch(self, args):
+    """The whole cluster again, on the same addresses with the same backup,
+    without sleeping, to the end; the chief's JSON result."""
+    with _cluster(self.configs, [*args, "--sleep", "0"]) as c:
+      self.assertEqual(c.wait(CHIEF, 150), 0, tail(c.stderr(CHIEF)))
+      return c.json(CHIEF)
+
+
 @pytest.mark.timeout(200)
-class WorkerLostTest(absltest.TestCase):
+class WorkerLostTest(_PsClusterTest):
 
   def test_sigkilled_worker_training_goes_on_and_restarted_worker_rejoins(self):
     # Steps sleep 0.4 s until the restarted worker has rejoined, then none:
     # 120 steps leave it about 45 s to start and get work (it took 8-18 s).
     # Backups only at epoch ends, so the steps after it rejoined are quick.
     epochs = 20
-    with tempfile.TemporaryDirectory() as d:
-      backup = os.path.join(d, "b")
-      configs = _configs()
-      with Cluster(configs, [backup, "--sleep", "0.4", "--epochs",
-                             str(epochs), "--backup-every", "1000"], d) as c:
-        c.start(CHIEF, WORKER0, WORKER1, PS)
-        line = c.wait_for(CHIEF, lambda l: _scheduled(l) >= 4, 150)
-        c.kill(WORKER1)
-        killed = time.monotonic()
-        self.assertEqual(c.wait(WORKER1, 30), -signal.SIGKILL)
-        # The remaining worker carries on: 4 more steps applied on the ps.
-        at_kill = _applied(line)
-        c.wait_for(CHIEF, lambda l: _applied(l) >= at_kill + 4, 60)
-        four_more = time.monotonic() - killed
-        # A new process on the same address, as a scheduler restarts it.
-        c.start(WORKER1)
-        deadline = time.monotonic() + 90
-        while (TRAIN_STEP not in c.stderr(WORKER1)
-               and time.monotonic() < deadline and c.running(CHIEF)):
-          time.sleep(0.2)
-        rejoined = c.stderr(WORKER1).count(TRAIN_STEP)
-        rejoin_seconds = time.monotonic() - killed - four_more
-        open(backup + ".fast", "w").close()  # The rest without sleeping.
-        self.assertEqual(c.wait(CHIEF, 90), 0, _tail(c.stderr(CHIEF)))
-        # The servers end by themselves once the chief has ended.
-        for index in (WORKER0, WORKER1, PS):
-          self.assertEqual(c.wait(index, 30), 0, _tail(c.stderr(index)))
-          self.assertIn("served", c.lines(index))
-        out = c.json(CHIEF)
-        chief_err = c.stderr(CHIEF)
-        ran = sum(err.count(TRAIN_STEP) for err in c.stderr_of_all())
+    with _cluster(self.configs, [self.backup, "--sleep", "0.4", "--epochs",
+                                 str(epochs), "--backup-every", "1000"]) as c:
+      line = c.wait_for(CHIEF, lambda l: _scheduled(l) >= 4, 150)
+      c.kill(WORKER1)
+      killed = time.monotonic()
+      self.assertEqual(c.wait(WORKER1, 30), -signal.SIGKILL)
+      # The remaining worker carries on: 4 more steps applied on the ps.
+      at_kill = _applied(line)
+      c.wait_for(CHIEF, lambda l: _applied(l) >= at_kill + 4, 60)
+      four_more = time.monotonic() - killed
+      # A new process on the same address, as a scheduler restarts it.
+      c.start(WORKER1)
+      cluster_utils.wait_until(lambda: TRAIN_STEP in c.stderr(WORKER1)
+                               or not c.running(CHIEF), 90)
+      rejoined = c.stderr(WORKER1).count(TRAIN_STEP)
+      rejoin_seconds = time.monotonic() - killed - four_more
+      open(self.backup + ".fast", "w").close()  # The rest without sleeping.
+      self.assertEqual(c.wait(CHIEF, 90), 0, tail(c.stderr(CHIEF)))
+      # The servers end by themselves once the chief has ended.
+      for index in (WORKER0, WORKER1, PS):
+        self.assertEqual(c.wait(index, 30), 0, tail(c.stderr(index)))
+        self.assertIn("served", c.lines(index))
+      out = c.json(CHIEF)
+      chief_err = c.stderr(CHIEF)
+      ran = sum(err.count(TRAIN_STEP) for err in c.stderr_of_all())
     print(f"4 steps applied {four_more:.1f} s after the kill; the restarted "
           f"worker ran a step {rejoin_seconds:.1f} s after its start; steps "
           f"run on workers {ran} for {out['scheduled']} scheduled; iterations "
@@ -240,39 +133,31 @@ class WorkerLostTest(absltest.TestCase):
 
 
 @pytest.mark.timeout(240)
-class PsLostTest(absltest.TestCase):
+class PsLostTest(_PsClusterTest):
 
   def test_sigkilled_ps_is_a_clear_error_and_relaunch_resumes(self):
     epochs = 3
-    with tempfile.TemporaryDirectory() as d:
-      backup = os.path.join(d, "b")
-      configs = _configs()
-      ps_address = configs[PS]["cluster"]["ps"][0]
-      # A backup after every step (with a join before it): steps do not
-      # overlap, so the optimizer's iterations count them exactly.
-      args = [backup, "--epochs", str(epochs), "--backup-every", "1",
-              "--no-reads"]
-      with Cluster(configs, [*args, "--sleep", "0.3"], d) as c:
-        c.start(CHIEF, WORKER0, WORKER1, PS)
-        c.wait_for(CHIEF, lambda l: _scheduled(l) >= 4, 150)
-        killed = time.monotonic()
-        c.kill(PS)
-        code = c.wait(CHIEF, 60)
-        to_error = time.monotonic() - killed
-        # With the chief gone, the workers stop serving by themselves.
-        worker_codes = [c.wait(i, 30) for i in (WORKER0, WORKER1)]
-        chief_err = c.stderr(CHIEF)
-      saved = _latest_checkpoint_number(backup)
-      # The whole cluster again, on the same addresses, with the same backup.
-      with Cluster(configs, [*args, "--sleep", "0"], d) as c:
-        c.start(CHIEF, WORKER0, WORKER1, PS)
-        self.assertEqual(c.wait(CHIEF, 150), 0, _tail(c.stderr(CHIEF)))
-        out = c.json(CHIEF)
+    ps_address = self.configs[PS]["cluster"]["ps"][0]
+    # A backup after every step (with a join before it): steps do not
+    # overlap, so the optimizer's iterations count them exactly.
+    args = [self.backup, "--epochs", str(epochs), "--backup-every", "1",
+            "--no-reads"]
+    with _cluster(self.configs, [*args, "--sleep", "0.3"]) as c:
+      c.wait_for(CHIEF, lambda l: _scheduled(l) >= 4, 150)
+      killed = time.monotonic()
+      c.kill(PS)
+      code = c.wait(CHIEF, 60)
+      to_error = time.monotonic() - killed
+      # With the chief gone, the workers stop serving by themselves.
+      worker_codes = [c.wait(i, 30) for i in (WORKER0, WORKER1)]
+      chief_err = c.stderr(CHIEF)
+    saved = _latest_checkpoint_number(self.backup)
+    out = self.relaunch(args)
     print(f"chief exited {to_error:.1f} s after the ps kill; backup at step "
           f"{saved}; resumed: {dict(out, weights=None)}\n"
           + next((l for l in chief_err.splitlines()
                   if l.startswith("tfdist.errors.")), "no tfdist error"))
-    self.assertEqual(code, 1, _tail(chief_err))
+    self.assertEqual(code, 1, tail(chief_err))
     self.assertLess(to_error, 30)
     self.assertEqual(worker_codes, [0, 0])
     self.assertIn("WorkerLostError", chief_err)
@@ -289,33 +174,27 @@ class PsLostTest(absltest.TestCase):
 
 
 @pytest.mark.timeout(240)
-class PreemptedTest(absltest.TestCase):
+class PreemptedTest(_PsClusterTest):
 
   def test_usr1_to_every_task_saves_exits_42_and_resumes(self):
     """As srun forwards SLURM's USR1: every task gets it at once. The servers
     keep serving while the chief saves (the backup reads the ps), then end;
     the chief exits 42 and a relaunch resumes at the saved step."""
     epochs = 3
-    with tempfile.TemporaryDirectory() as d:
-      backup = os.path.join(d, "b")
-      configs = _configs()
-      args = [backup, "--epochs", str(epochs), "--backup-every", "1000",
-              "--no-reads"]
-      with Cluster(configs, [*args, "--sleep", "0.3"], d) as c:
-        c.start(CHIEF, WORKER0, WORKER1, PS)
-        c.wait_for(CHIEF, lambda l: _scheduled(l) >= 4, 150)
-        for index in (PS, WORKER0, WORKER1, CHIEF):
-          c.signal(index, signal.SIGUSR1)
-        codes = [c.wait(i, 60) for i in (CHIEF, WORKER0, WORKER1, PS)]
-        chief_err = c.stderr(CHIEF)
-        ps_err = c.stderr(PS)
-        served = [("served" in c.lines(i)) for i in (WORKER0, WORKER1, PS)]
-      saved = _latest_checkpoint_number(backup)
-      with Cluster(configs, [*args, "--sleep", "0"], d) as c:
-        c.start(CHIEF, WORKER0, WORKER1, PS)
-        self.assertEqual(c.wait(CHIEF, 150), 0, _tail(c.stderr(CHIEF)))
-        out = c.json(CHIEF)
-    self.assertEqual(codes, [PREEMPTED_EXIT_CODE, 0, 0, 0], _tail(chief_err))
+    args = [self.backup, "--epochs", str(epochs), "--backup-every", "1000",
+            "--no-reads"]
+    with _cluster(self.configs, [*args, "--sleep", "0.3"]) as c:
+      c.wait_for(CHIEF, lambda l: _scheduled(l) >= 4, 150)
+      for index in (PS, WORKER0, WORKER1, CHIEF):
+        c.signal(index, signal.SIGUSR1)
+      codes = [c.wait(i, 60) for i in (CHIEF, WORKER0, WORKER1, PS)]
+      chief_err = c.stderr(CHIEF)
+      ps_err = c.stderr(PS)
+      served = [("served" in c.lines(i)) for i in (WORKER0, WORKER1, PS)]
+    saved = _latest_checkpoint_number(self.backup)
+    out = self.relaunch(args)
+    self.assertEqual(codes, [tfdist.PREEMPTED_EXIT_CODE, 0, 0, 0],
+                     tail(chief_err))
     self.assertEqual(served, [True] * 3)
     self.assertIn("SIGUSR1 received by ps:0: serving until the chief", ps_err)
     self.assertIn("checkpoint saved at step", chief_err)
@@ -336,8 +215,7 @@ class ServersEndTest(absltest.TestCase):
       # One worker is enough here: chief, worker:0, ps:0.
       configs = cluster_utils.worker_configs(1, num_ps=1, chief=True)
       chief, worker, ps = range(3)
-      with Cluster(configs, [os.path.join(d, "b")], d) as c:
-        c.start(chief, worker, ps)
+      with _cluster(configs, [os.path.join(d, "b")]) as c:
         c.wait_for(chief, lambda l: _scheduled(l) >= 1, 100)
         killed = time.monotonic()
         c.kill(chief)
@@ -354,15 +232,15 @@ class ServersEndTest(absltest.TestCase):
     configs = _configs()
     chief = configs[CHIEF]["cluster"]["chief"][0]
     with tempfile.TemporaryDirectory() as d:
-      with Cluster(configs, [os.path.join(d, "b"), "--chief-timeout", "3"],
-                   d) as c:
+      with _cluster(configs, [os.path.join(d, "b"), "--chief-timeout", "3"],
+                    start=False) as c:
         start = time.monotonic()
         c.start(PS)  # A worker runs the same tfdist.serve.
         code = c.wait(PS, 60)
         seconds = time.monotonic() - start
         err = c.stderr(PS)
     print(f"ps:0 gave up after {seconds:.1f} s")
-    self.assertEqual(code, 1, _tail(err))
+    self.assertEqual(code, 1, tail(err))
     self.assertIn("StartupTimeoutError", err)
     self.assertIn(f"ps:0: the chief at {chief} did not start within 3 s", err)
 
@@ -385,7 +263,7 @@ class ErrorMappingTest(parameterized.TestCase):
   )
   def test_summary_skips_generic_lines(self, message, expected):
     error = tf.errors.UnavailableError(None, None, message)
-    self.assertEqual(fit_lib._summary(error), expected)
+    self.assertEqual(_worker_errors.summary(error), expected)
 
   @parameterized.named_parameters(
       ("remote_target", ["h:1", "h:2"], GRAPH_ERROR, ["ps:1 at h:2"]),
@@ -396,7 +274,7 @@ class ErrorMappingTest(parameterized.TestCase):
   )
   def test_lost_ps_tasks(self, addresses, message, expected):
     error = tf.errors.UnavailableError(None, None, message)
-    self.assertEqual(fit_lib._lost_ps_tasks(addresses, error), expected)
+    self.assertEqual(_worker_errors.lost_ps_tasks(addresses, error), expected)
 
   @parameterized.named_parameters(
       ("unavailable", tf.errors.UnavailableError),
@@ -405,8 +283,8 @@ class ErrorMappingTest(parameterized.TestCase):
       ("cancelled", tf.errors.CancelledError),
   )
   def test_lost_peer_errors_become_worker_lost_error(self, error_type):
-    with self.assertRaises(WorkerLostError) as caught:
-      with fit_lib._worker_errors(tf.distribute.get_strategy()):
+    with self.assertRaises(tfdist.WorkerLostError) as caught:
+      with _worker_errors.worker_errors(tf.distribute.get_strategy()):
         raise error_type(None, None, self.GRAPH_ERROR)
     message = str(caught.exception)
     self.assertStartsWith(message, "this process: a peer task died")
@@ -416,7 +294,7 @@ class ErrorMappingTest(parameterized.TestCase):
 
   def test_other_errors_pass_through(self):
     with self.assertRaises(tf.errors.InvalidArgumentError):
-      with fit_lib._worker_errors(tf.distribute.get_strategy()):
+      with _worker_errors.worker_errors(tf.distribute.get_strategy()):
         raise tf.errors.InvalidArgumentError(None, None, "bad shape")
 
 

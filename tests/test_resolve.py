@@ -146,7 +146,7 @@ class ResolverTest(absltest.TestCase):
 
   def test_static_resolver_serves_tf(self):
     info = tfdist.resolve_cluster(environ={"TF_CONFIG": TF_CONFIG})
-    resolver = info.to_resolver()
+    resolver = tfdist.resolver_for(info)
     self.assertEqual(resolver.cluster_spec().as_dict(),
                      {"worker": ["127.0.0.1:2000", "127.0.0.1:2001"]})
     self.assertEqual(resolver.master(), "grpc://127.0.0.1:2001")

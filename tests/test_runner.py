@@ -18,7 +18,6 @@ import tensorflow as tf
 
 import cluster_utils
 import tfdist
-from tfdist.training import runner as runner_lib
 
 STEPS = 6
 TOLERANCE = 1e-5
@@ -107,11 +106,11 @@ class RunnerInProcessTest(parameterized.TestCase):
 
     def eval_step(batch):
       x, y = batch
-      loss = runner_lib.scaled_loss(loss_fn(y, model(x)), global_batch)
+      loss = tfdist.scaled_loss(loss_fn(y, model(x)), global_batch)
       metric.update_state(tf.ones(tf.shape(x)[0]))
       return {"loss": loss}
-    step = runner_lib.supervised_step(model, optimizer, loss_fn,
-                                      global_batch_size=global_batch)
+    step = tfdist.supervised_step(model, optimizer, loss_fn,
+                                  global_batch_size=global_batch)
     return model, optimizer, metric, step, eval_step
 
   def test_train_and_evaluate_under_mirrored(self):
@@ -122,10 +121,10 @@ class RunnerInProcessTest(parameterized.TestCase):
       return tf.data.Dataset.from_tensors(
           (tf.ones((3,)), tf.ones((1,)))).repeat().batch(
               ctx.get_per_replica_batch_size(4))
-    runner = runner_lib.Runner(
+    runner = tfdist.Runner(
         strategy=strategy, train_step=step, train_data=data,
         eval_step=eval_step, eval_data=data, metrics=[metric],
-        options=runner_lib.RunnerOptions(steps_per_loop=3))
+        options=tfdist.RunnerOptions(steps_per_loop=3))
     logs = runner.train(7)
     self.assertEqual(runner.step, 7)
     self.assertEqual(int(optimizer.iterations.numpy()), 7)
@@ -142,7 +141,7 @@ class RunnerInProcessTest(parameterized.TestCase):
   )
   def test_bad_options(self, kwargs, field):
     with self.assertRaises(tfdist.ConfigError) as caught:
-      runner_lib.RunnerOptions(**kwargs)
+      tfdist.RunnerOptions(**kwargs)
     self.assertEqual(caught.exception.field, field)
 
   def test_supervised_step_builds_the_optimizer_outside_the_step(self):
@@ -153,19 +152,19 @@ class RunnerInProcessTest(parameterized.TestCase):
   def test_supervised_step_needs_a_built_model(self):
     model = keras.Sequential([keras.layers.Dense(1)])  # No Input: no weights.
     with self.assertRaises(tfdist.ConfigError) as caught:
-      runner_lib.supervised_step(model, keras.optimizers.SGD(), lambda y, p: y,
-                                 global_batch_size=2)
+      tfdist.supervised_step(model, keras.optimizers.SGD(), lambda y, p: y,
+                             global_batch_size=2)
     self.assertEqual(caught.exception.field, "model")
 
   def test_plain_dataset_is_rejected_with_a_hint(self):
     strategy = tf.distribute.get_strategy()
     with self.assertRaisesRegex(tfdist.ConfigError, "input_context"):
-      runner_lib.Runner(strategy=strategy, train_step=lambda b: {},
-                        train_data=tf.data.Dataset.range(3))
+      tfdist.Runner(strategy=strategy, train_step=lambda b: {},
+                    train_data=tf.data.Dataset.range(3))
 
   def test_evaluate_without_eval_step(self):
     strategy = tf.distribute.get_strategy()
-    runner = runner_lib.Runner(
+    runner = tfdist.Runner(
         strategy=strategy, train_step=lambda b: {"x": tf.constant(1.0)},
         train_data=lambda ctx: tf.data.Dataset.range(3).repeat())
     with self.assertRaises(tfdist.ConfigError):

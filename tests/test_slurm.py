@@ -14,8 +14,9 @@ from absl.testing import parameterized
 import pytest
 
 import slurm_harness
+import tfdist
 from tfdist.cluster import slurm
-from tfdist.errors import ConfigError
+from tfdist import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -345,7 +346,7 @@ class SlurmClusterResolverTest(absltest.TestCase):
 
   @pytest.mark.timeout(120)  # Imports TensorFlow.
   def test_resolver(self):
-    resolver = slurm.SlurmClusterResolver(
+    resolver = tfdist.SlurmClusterResolver(
         environ=_layout("n[1-4]", "1(x4)", 4, 4, SLURM_PROCID="1",
                         SLURMD_NODENAME="n2"),
         roles={"chief": 1, "ps": 1, "worker": 2}, port_base=30000)
@@ -357,9 +358,9 @@ class SlurmClusterResolverTest(absltest.TestCase):
     self.assertEqual(resolver.num_accelerators(), {})
     self.assertEqual(resolver.info.slurm.proc_id, 1)
     with self.assertRaises(TypeError):
-      slurm.SlurmClusterResolver(_step_env())  # pylint: disable=too-many-function-args
+      tfdist.SlurmClusterResolver(_step_env())  # pylint: disable=too-many-function-args
     with self.assertRaises(ConfigError):
-      slurm.SlurmClusterResolver(environ={})
+      tfdist.SlurmClusterResolver(environ={})
 
 
 # ------------------------------------------------------------ real SLURM.

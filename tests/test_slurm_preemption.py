@@ -1,7 +1,7 @@
 """Preemption through tfdist's sbatch templates on a real local SLURM.
 
 Each test submits a template (cluster_configs/*.sbatch, or what
-`tfdist.slurm_script.render` gives) to a private SLURM (slurm_harness.py) and
+`tfdist.launch.sbatch.render` gives) to a private SLURM (slurm_harness.py) and
 sends what SLURM sends at the ``--signal=B:USR1@N`` time: ``scancel --batch
 --signal=USR1`` signals the batch shell only, without waiting for a time
 limit. The template's trap forwards USR1 to srun and so to every task; the
@@ -33,24 +33,22 @@ import time
 from absl import logging
 from absl.testing import absltest
 from absl.testing import parameterized
-import numpy as np
 import pytest
 
+import cluster_utils
+import fault_runs
 import slurm_harness
-from test_preemption import run_to_end
-from tfdist import slurm_script
-from tfdist.errors import PREEMPTED_EXIT_CODE
+import tfdist
+from tfdist.launch import sbatch as slurm_script
 
 pytestmark = pytest.mark.timeout(300)
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SCRIPTS = os.path.join(_REPO, "tests", "scripts")
-_FAULT_JOB = os.path.join(_SCRIPTS, "fault_job.py")
-_PAYLOAD = os.path.join(_SCRIPTS, "slurm_payload.py")
+_REPO = cluster_utils.REPO
+_FAULT_JOB = os.path.join(cluster_utils.SCRIPTS, fault_runs.JOB)
+_PAYLOAD = os.path.join(cluster_utils.SCRIPTS, "slurm_payload.py")
 _MWMS_TEMPLATE = os.path.join(
     _REPO, "cluster_configs",
     slurm_script.template_name("multi_worker_mirrored"))
-_TOLERANCE = 1e-5
 _HOST = slurm_harness.local_node_name()
 #: Job states that end a job (a requeued job goes back to PENDING).
 _ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
@@ -101,18 +99,8 @@ def _task_outcomes(output: str) -> dict[int, list[str]]:
 
 def _processes_mentioning(text: str) -> list[str]:
   """Command lines of this machine's processes that contain ``text``."""
-  found = []
-  for entry in os.listdir("/proc"):
-    if not entry.isdigit() or int(entry) == os.getpid():
-      continue
-    try:
-      with open(f"/proc/{entry}/cmdline", "rb") as f:
-        cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-      continue
-    if text in cmdline:
-      found.append(f"{entry}: {cmdline}")
-  return found
+  return [f"{p.pid}: {p.cmdline}" for p in cluster_utils.processes()
+          if text in p.cmdline and p.pid != os.getpid()]
 
 
 class _Job:
@@ -162,11 +150,8 @@ class _Job:
 
 
 def _wait(test: absltest.TestCase, condition, timeout: float, what) -> None:
-  deadline = time.monotonic() + timeout
-  while not condition():
-    if time.monotonic() > deadline:
-      test.fail(f"timed out after {timeout} s waiting for {what()}")
-    time.sleep(0.3)
+  if not cluster_utils.wait_until(condition, timeout, interval=0.3):
+    test.fail(f"timed out after {timeout} s waiting for {what()}")
 
 
 class SlurmPreemptionTest(parameterized.TestCase):
@@ -187,9 +172,7 @@ class SlurmPreemptionTest(parameterized.TestCase):
       self):
     directory = _tempdir(self)
     started = time.monotonic()
-    reference = run_to_end(None, ["default", "fit",
-                                  os.path.join(directory, "reference"),
-                                  "--sleep", "0"], directory)[0]
+    reference = fault_runs.reference(directory)
     backup = os.path.join(directory, "backup")
     job = _Job(
         self, self.slurm, _MWMS_TEMPLATE,
@@ -259,11 +242,11 @@ class SlurmPreemptionTest(parameterized.TestCase):
     self.assertLen(saved, 2, first)
     self.assertLen(set(saved.values()), 1, saved)
     step, code = saved[0]
-    self.assertEqual(code, PREEMPTED_EXIT_CODE)
+    self.assertEqual(code, tfdist.PREEMPTED_EXIT_CODE)
     self.assertBetween(step, 2, 17)
     self.assertEqual(_task_outcomes(first), {
-        0: [f"Exited with exit code {PREEMPTED_EXIT_CODE}"],
-        1: [f"Exited with exit code {PREEMPTED_EXIT_CODE}"]}, first)
+        0: [f"Exited with exit code {tfdist.PREEMPTED_EXIT_CODE}"],
+        1: [f"Exited with exit code {tfdist.PREEMPTED_EXIT_CODE}"]}, first)
     for task in (0, 1):
       steps = [int(s) for s in re.findall(rf"(?m)^{task}: step (\d+)$",
                                           first)]
@@ -279,10 +262,7 @@ class SlurmPreemptionTest(parameterized.TestCase):
       steps = [int(s) for s in re.findall(rf"(?m)^{task}: step (\d+)$",
                                           second)]
       self.assertEqual(steps, list(range(step + 1, 19)), second)
-      result = json.loads(results[task])
-      self.assertEqual(result["iterations"], 18)
-      np.testing.assert_allclose(result["weights"], reference["weights"],
-                                 atol=_TOLERANCE)
+      fault_runs.assert_like(self, json.loads(results[task]), reference)
     logging.info("saved and resumed at step %d", step)
     self.assert_nothing_left(job, directory)
 

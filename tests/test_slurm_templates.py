@@ -1,4 +1,4 @@
-"""Tests for cluster_configs/*.sbatch, tfdist.slurm_script and `tfdist slurm`.
+"""Tests for cluster_configs/*.sbatch, tfdist.launch.sbatch and `tfdist slurm`.
 
 The templates are submitted with sbatch to a real local SLURM (two slurmd
 nodes on this machine, see slurm_harness.py) with ``TFDIST_COMMAND`` set to
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import io
 import json
 import os
@@ -28,8 +29,8 @@ from absl.testing import parameterized
 import pytest
 
 import slurm_harness
-from tfdist import cli
-from tfdist import slurm_script
+from tfdist import launch
+from tfdist.cli import main as cli_main
 from tfdist.cluster import slurm as slurm_lib
 from tfdist.errors import ConfigError
 
@@ -41,22 +42,22 @@ _PAYLOAD = os.path.join(_REPO, "tests", "scripts", "slurm_payload.py")
 
 
 def _template(preset: str) -> str:
-  return os.path.join(_CONFIGS, slurm_script.template_name(preset))
+  return os.path.join(_CONFIGS, launch.template_name(preset))
 
 
 class TemplatesInSyncTest(parameterized.TestCase):
 
-  @parameterized.named_parameters((n, n) for n in sorted(slurm_script.PRESETS))
+  @parameterized.named_parameters((n, n) for n in sorted(launch.PRESETS))
   def test_file_is_what_render_gives(self, preset):
     with open(_template(preset)) as f:
       text = f.read()
     self.assertEqual(
-        text, slurm_script.render(slurm_script.PRESETS[preset]),
-        f"cluster_configs/{slurm_script.template_name(preset)} is out of sync"
-        " with tfdist.slurm_script.PRESETS; regenerate it with `tfdist slurm "
+        text, launch.render(launch.PRESETS[preset]),
+        f"cluster_configs/{launch.template_name(preset)} is out of sync"
+        " with tfdist.launch.sbatch.PRESETS; regenerate it with `tfdist slurm "
         f"--preset {preset} -o FILE`")
 
-  @parameterized.named_parameters((n, n) for n in sorted(slurm_script.PRESETS))
+  @parameterized.named_parameters((n, n) for n in sorted(launch.PRESETS))
   def test_requeue_signal_and_output(self, preset):
     with open(_template(preset)) as f:
       text = f.read()
@@ -73,11 +74,20 @@ class TemplatesInSyncTest(parameterized.TestCase):
                            capture_output=True, text=True, check=False)
     self.assertEqual(check.returncode, 0, check.stderr)
 
+  @parameterized.named_parameters((n, n) for n in sorted(launch.PRESETS))
+  def test_header_names_its_generator(self, preset):
+    with open(_template(preset)) as f:
+      generator = re.search(r"^# Written by `tfdist slurm` \((\S+)\.(\w+)\)",
+                            f.read(), re.M)
+    self.assertIsNotNone(generator)
+    module = importlib.import_module(generator.group(1))
+    self.assertIs(getattr(module, generator.group(2)), launch.render)
+
   def test_cluster_configs_has_only_the_presets_and_readme(self):
     self.assertCountEqual(
         os.listdir(_CONFIGS),
-        ["README.md"] + [slurm_script.template_name(p)
-                         for p in slurm_script.PRESETS])
+        ["README.md"] + [launch.template_name(p)
+                         for p in launch.PRESETS])
 
 
 class SbatchSpecTest(parameterized.TestCase):
@@ -107,7 +117,7 @@ class SbatchSpecTest(parameterized.TestCase):
   )
   def test_invalid(self, changes, field):
     with self.assertRaises(ConfigError) as e:
-      slurm_script.SbatchSpec(**changes)
+      launch.SbatchSpec(**changes)
     self.assertEqual(e.exception.field, field)
 
   @parameterized.named_parameters(
@@ -115,23 +125,23 @@ class SbatchSpecTest(parameterized.TestCase):
       ("hms", "04:00:00", 14400), ("days_hours", "1-2", 93600),
       ("days_hm", "1-02:30", 95400), ("days_hms", "0-00:00:10", 10))
   def test_parse_time(self, text, seconds):
-    self.assertEqual(slurm_script.parse_time(text), seconds)
+    self.assertEqual(launch.parse_time(text), seconds)
 
   def test_roles_are_normalized_and_exported(self):
-    spec = slurm_script.SbatchSpec(nodes=2, tasks_per_node=2,
-                                   roles=" chief=1, ps=1 ,worker=2")
+    spec = launch.SbatchSpec(nodes=2, tasks_per_node=2,
+                             roles=" chief=1, ps=1 ,worker=2")
     self.assertEqual(spec.roles, "chief=1,ps=1,worker=2")
-    text = slurm_script.render(spec)
+    text = launch.render(spec)
     self.assertIn("export TFDIST_SLURM_ROLES=chief=1,ps=1,worker=2\n", text)
     self.assertIn("srun --kill-on-bad-exit=0 --wait=60 ", text)
 
   def test_command_is_shell_quoted(self):
-    spec = slurm_script.SbatchSpec(command=("python", "t.py", "--x=a b", "$HOME"))
+    spec = launch.SbatchSpec(command=("python", "t.py", "--x=a b", "$HOME"))
     self.assertIn("  command=(python t.py '--x=a b' '$HOME')\n",
-                  slurm_script.render(spec))
+                  launch.render(spec))
 
   def test_no_requeue_and_no_gpus(self):
-    text = slurm_script.render(slurm_script.SbatchSpec(requeue=False))
+    text = launch.render(launch.SbatchSpec(requeue=False))
     self.assertIn("#SBATCH --no-requeue\n", text)
     self.assertNotIn("#SBATCH --requeue", text)
     self.assertNotIn("--gpus-per-node", text)
@@ -139,7 +149,7 @@ class SbatchSpecTest(parameterized.TestCase):
 
   def test_spec_is_frozen(self):
     with self.assertRaises(dataclasses.FrozenInstanceError):
-      slurm_script.PRESETS["cpu_only"].nodes = 3  # type: ignore[misc]
+      launch.PRESETS["cpu_only"].nodes = 3  # type: ignore[misc]
 
 
 def _tempdir(test: absltest.TestCase) -> str:
@@ -151,13 +161,13 @@ def _tempdir(test: absltest.TestCase) -> str:
 
 
 class SlurmCliTest(parameterized.TestCase):
-  """`tfdist slurm`, run in-process through tfdist.cli.main."""
+  """`tfdist slurm`, run in-process through tfdist.cli.main.main."""
 
   def run_cli(self, argv):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
       try:
-        code = cli.main(["slurm", *argv])
+        code = cli_main.main(["slurm", *argv])
       except SystemExit as e:
         code = e.code
     return code, out.getvalue(), err.getvalue()
@@ -168,12 +178,12 @@ class SlurmCliTest(parameterized.TestCase):
          "--time", "2-00:00:00", "--partition", "gpu", "--signal-seconds",
          "600", "--", "python", "-m", "my.train", "--epochs=9"])
     self.assertEqual((code, err), (0, ""))
-    self.assertEqual(out, slurm_script.render(slurm_script.SbatchSpec(
+    self.assertEqual(out, launch.render(launch.SbatchSpec(
         job_name="big", nodes=3, gpus_per_node=8, time="2-00:00:00",
         partition="gpu", signal_seconds=600,
         command=("python", "-m", "my.train", "--epochs=9"))))
 
-  @parameterized.named_parameters((n, n) for n in sorted(slurm_script.PRESETS))
+  @parameterized.named_parameters((n, n) for n in sorted(launch.PRESETS))
   def test_preset_writes_the_template(self, preset):
     path = os.path.join(_tempdir(self), "job.sbatch")
     code, out, err = self.run_cli(["--preset", preset, "-o", path])

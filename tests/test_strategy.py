@@ -8,9 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist.cluster.info import ClusterInfo
-from tfdist.strategy import factory
-from tfdist.strategy import options as opts
+from tfdist import ClusterInfo
 import cluster_utils
 
 LOCAL = ClusterInfo(source="local")
@@ -94,7 +92,7 @@ class ChooseStrategyTest(parameterized.TestCase):
                    task_type="evaluator", task_id=0), {"CPU": 1}, "default"),
   )
   def test_table(self, info, devices, expected):
-    name, why = factory.choose_strategy(info, devices)
+    name, why = tfdist.choose_strategy(info, devices)
     self.assertEqual(name, expected)
     self.assertTrue(why)
 
@@ -172,9 +170,11 @@ class BadInputTest(parameterized.TestCase):
 
 class OptionsTest(parameterized.TestCase):
 
-  @parameterized.parameters(opts.MirroredOptions, opts.ParameterServerOptions,
-                            opts.MultiWorkerMirroredOptions, opts.TPUOptions,
-                            opts.CentralStorageOptions, opts.OneDeviceOptions)
+  @parameterized.parameters(tfdist.MirroredOptions,
+                            tfdist.ParameterServerOptions,
+                            tfdist.MultiWorkerMirroredOptions,
+                            tfdist.TPUOptions, tfdist.CentralStorageOptions,
+                            tfdist.OneDeviceOptions)
   def test_frozen_and_keyword_only(self, cls):
     instance = cls()
     field = dataclasses.fields(cls)[0].name
@@ -184,7 +184,7 @@ class OptionsTest(parameterized.TestCase):
       cls(None)
 
   def test_devices_become_tuple(self):
-    self.assertEqual(opts.MirroredOptions(devices=["/cpu:0"]).devices,
+    self.assertEqual(tfdist.MirroredOptions(devices=["/cpu:0"]).devices,
                      ("/cpu:0",))
 
 

@@ -12,10 +12,10 @@ import types
 from absl.testing import absltest
 from absl.testing import parameterized
 
+from tfdist import ClusterInfo
+from tfdist import ConfigError
+from tfdist import TfdistError
 from tfdist.cluster import tf_config
-from tfdist.cluster.info import ClusterInfo
-from tfdist.errors import ConfigError
-from tfdist.errors import TfdistError
 
 _SOURCE = "TF_CONFIG in test"
 _MISSING = "nothing (missing)"

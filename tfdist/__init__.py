@@ -8,106 +8,66 @@ build the matching `tf.distribute.Strategy`::
     with strategy.scope():
       model = ...
 
-Names that need TensorFlow load on first use, so ``tfdist --help`` and
-TF_CONFIG or hostlist parsing do not pay for importing it.
+Every public name is listed once, in `_EXPORTS`, with the module that defines
+it. Names load on first use, so ``tfdist --help`` and TF_CONFIG or hostlist
+parsing do not pay for importing TensorFlow. `tfdist.data`, `tfdist.perf` and
+`tfdist.flags` are subpackages with faces of their own.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tfdist import _lazy
+from tfdist.strategy import OPTION_CLASSES as _OPTION_CLASSES
 
-from tfdist.cluster.hostlist import expand_hostlist
-from tfdist.cluster.hostlist import expand_tasks_per_node
-from tfdist.cluster.info import ClusterInfo
-from tfdist.cluster.info import SlurmInfo
-from tfdist.cluster.tf_config import parse_tf_config
-from tfdist.errors import CheckpointError
-from tfdist.errors import ConfigError
-from tfdist.errors import PREEMPTED_EXIT_CODE
-from tfdist.errors import PreemptedError
-from tfdist.errors import StartupTimeoutError
-from tfdist.errors import TfdistError
-from tfdist.errors import TpuUnavailableError
-from tfdist.errors import WorkerLostError
+__version__ = "0.2.0"
 
-__version__ = "0.1.0"
-
-# Public name -> the module that defines it; imported on first access.
-_LAZY = {
+# Public name -> the module that defines it, grouped by floor.
+_EXPORTS: dict[str, str] = {
+    # The cluster: where this process runs (TensorFlow-free but the resolvers).
+    "ClusterInfo": "tfdist.cluster.info",
+    "SlurmInfo": "tfdist.cluster.info",
     "resolve_cluster": "tfdist.cluster.resolve",
-    "SlurmClusterResolver": "tfdist.cluster.slurm",
+    "parse_tf_config": "tfdist.cluster.tf_config",
+    "expand_hostlist": "tfdist.cluster.hostlist",
+    "expand_tasks_per_node": "tfdist.cluster.hostlist",
+    "SlurmClusterResolver": "tfdist.cluster.resolver",
+    "resolver_for": "tfdist.cluster.resolver",
+    # The strategy: what to build there.
     "make_strategy": "tfdist.strategy.factory",
     "choose_strategy": "tfdist.strategy.factory",
-    "STRATEGY_NAMES": "tfdist.strategy.factory",
+    "STRATEGY_NAMES": "tfdist.strategy.catalog",
+    **dict.fromkeys(_OPTION_CLASSES, "tfdist.strategy.options"),
     "serve": "tfdist.strategy.server",
+    "is_chief": "tfdist.strategy.introspect",
+    # Training: Keras fit, custom loops, checkpoints and preemption.
     "fit": "tfdist.training.fit",
     "BackupAndRestore": "tfdist.training.backup",
     "Runner": "tfdist.training.runner",
     "RunnerOptions": "tfdist.training.runner",
-    "supervised_step": "tfdist.training.runner",
-    "scaled_loss": "tfdist.training.runner",
+    "supervised_step": "tfdist.training.steps",
+    "scaled_loss": "tfdist.training.steps",
     "chief_aware": "tfdist.training.callbacks",
     "save_model": "tfdist.training.callbacks",
-    "is_chief": "tfdist.training.chief",
     "PreemptionWatcher": "tfdist.training.preemption",
-    "DefaultOptions": "tfdist.strategy.options",
-    "OneDeviceOptions": "tfdist.strategy.options",
-    "MirroredOptions": "tfdist.strategy.options",
-    "MultiWorkerMirroredOptions": "tfdist.strategy.options",
-    "ParameterServerOptions": "tfdist.strategy.options",
-    "CentralStorageOptions": "tfdist.strategy.options",
-    "TPUOptions": "tfdist.strategy.options",
+    # Errors and the process contract.
+    "TfdistError": "tfdist.errors",
+    "ConfigError": "tfdist.errors",
+    "TpuUnavailableError": "tfdist.errors",
+    "StartupTimeoutError": "tfdist.errors",
+    "PreemptedError": "tfdist.errors",
+    "WorkerLostError": "tfdist.errors",
+    "CheckpointError": "tfdist.errors",
+    "PREEMPTED_EXIT_CODE": "tfdist.errors",
+    "PREEMPTION_SIGNALS": "tfdist.errors",
 }
 
-__all__ = [
-    "BackupAndRestore",
-    "CentralStorageOptions",
-    "CheckpointError",
-    "ClusterInfo",
-    "ConfigError",
-    "DefaultOptions",
-    "MirroredOptions",
-    "MultiWorkerMirroredOptions",
-    "OneDeviceOptions",
-    "PREEMPTED_EXIT_CODE",
-    "ParameterServerOptions",
-    "PreemptedError",
-    "PreemptionWatcher",
-    "Runner",
-    "RunnerOptions",
-    "STRATEGY_NAMES",
-    "SlurmClusterResolver",
-    "SlurmInfo",
-    "StartupTimeoutError",
-    "TPUOptions",
-    "TfdistError",
-    "TpuUnavailableError",
-    "WorkerLostError",
-    "__version__",
-    "chief_aware",
-    "choose_strategy",
-    "expand_hostlist",
-    "expand_tasks_per_node",
-    "fit",
-    "is_chief",
-    "make_strategy",
-    "parse_tf_config",
-    "resolve_cluster",
-    "save_model",
-    "scaled_loss",
-    "serve",
-    "supervised_step",
-]
+# Names that moved in 0.2.0, kept for one release (CHANGELOG.md):
+# old -> (module, new name); "" is the module itself.
+_ALIASES: dict[str, tuple[str, str]] = {
+    "localhost": ("tfdist._net", ""),
+    "slurm_script": ("tfdist.launch.sbatch", ""),
+    "info": ("tfdist.report", ""),
+}
 
-
-def __getattr__(name: str) -> Any:
-  if name in _LAZY:
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-  raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(_LAZY))
+__all__ = ["__version__"]
+_lazy.install(globals(), _EXPORTS, _ALIASES)

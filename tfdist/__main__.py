@@ -1,6 +1,8 @@
 """``python -m tfdist`` runs the ``tfdist`` command."""
 
-from tfdist import cli
+from tfdist.cli import main
+
+__all__: list[str] = []
 
 if __name__ == "__main__":
-  cli.console_main()
+  main.console_main()

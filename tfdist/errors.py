@@ -7,11 +7,19 @@ expected and where the value came from, so its message says how to fix it.
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 __all__ = ["TfdistError", "ConfigError", "TpuUnavailableError",
            "StartupTimeoutError", "PreemptedError", "WorkerLostError",
-           "CheckpointError", "PREEMPTED_EXIT_CODE"]
+           "CheckpointError", "PREEMPTED_EXIT_CODE", "PREEMPTION_SIGNALS"]
+
+# The process contract: these signals in, this exit code out.
+
+#: The signals that mean "save and stop": SIGTERM (schedulers, Kubernetes,
+#: ``kill``) and SIGUSR1 (SLURM's ``--signal=USR1@N``, forwarded by tfdist's
+#: sbatch templates).
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 #: The exit code of a task that saved a checkpoint on SIGTERM or SIGUSR1 and
 #: stopped (TensorFlow's PreemptionCheckpointHandler uses the same code).

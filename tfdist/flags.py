@@ -4,7 +4,8 @@
 default) with validators, so a combination that cannot work fails at parse
 time with a message naming the flag; `strategy_from_flags` builds the
 strategy with `tfdist.make_strategy`. Nothing here writes ``os.environ`` or
-changes a flag's value.
+changes a flag's value. What each ``--strategy`` accepts is read from
+`tfdist.strategy.catalog`, the table the factory reads too.
 
 | flag                      | meaning                                            |
 |---------------------------|----------------------------------------------------|
@@ -50,10 +51,13 @@ from typing import Any, Callable, Mapping, Sequence
 from absl import flags
 
 from tfdist.cluster import tpu as tpu_lib
+from tfdist.cluster.slurm import parse_roles
 from tfdist.cluster.tf_config import parse_tf_config
 from tfdist.errors import ConfigError
 from tfdist.errors import TpuUnavailableError
-from tfdist.cluster.slurm import parse_roles
+from tfdist.strategy import catalog
+from tfdist.strategy.catalog import ALL_REDUCE_ALGS
+from tfdist.strategy.catalog import STRATEGY_CHOICES
 
 __all__ = [
     "FlagHolders",
@@ -75,66 +79,13 @@ __all__ = [
 FlagValues = flags.FlagValues
 _FLAGS = flags.FLAGS
 
+#: The specs that take ``--all_reduce_alg``, in `STRATEGY_CHOICES` order.
+_ALL_REDUCE_SPECS = tuple(s for s in catalog.CATALOG.values()
+                          if s.all_reduce)
+
 #: --mixed_precision value -> Keras policy (None: leave the policy alone).
 MIXED_PRECISION_POLICIES: Mapping[str, str | None] = types.MappingProxyType({
     "none": None, "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"})
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rule:
-  """What one ``--strategy`` value accepts and how flags map to options.
-
-  Attributes:
-    builder: the `make_strategy` name.
-    all_reduce: ``--all_reduce_alg`` value -> (option field, option value).
-    gpus: ``--num_gpus`` -> options; ``None``: the flag is not accepted.
-    max_gpus: the largest ``--num_gpus`` accepted.
-    max_hosts: the most ``--worker_hosts`` entries (``None``: any number).
-    roles: ``--slurm_roles`` accepted: ``"any"``, ``"ps"`` (must have ps
-      tasks), ``"no_ps"`` or ``""`` (not accepted).
-    tpu: ``--tpu`` accepted.
-  """
-  builder: str
-  all_reduce: Mapping[str, tuple[str, str]] = dataclasses.field(
-      default_factory=dict)
-  gpus: Callable[[int], dict[str, Any]] | None = None
-  max_gpus: int | None = None
-  max_hosts: int | None = 1
-  roles: str = ""
-  tpu: bool = False
-
-
-def _gpu_devices(n: int) -> tuple[str, ...]:
-  return tuple(f"/gpu:{i}" for i in range(n)) or ("/cpu:0",)
-
-
-_RULES: Mapping[str, _Rule] = types.MappingProxyType({
-    "auto": _Rule("auto", max_hosts=None, roles="any", tpu=True),
-    "default": _Rule("default", gpus=lambda n: {}, max_gpus=1),
-    "off": _Rule("default", gpus=lambda n: {}, max_gpus=1),
-    "one_device": _Rule(
-        "one_device", max_gpus=1,
-        gpus=lambda n: {"device": "/gpu:0" if n else "/cpu:0"}),
-    "mirrored": _Rule(
-        "mirrored", gpus=lambda n: {"num_gpus": n},
-        all_reduce=types.MappingProxyType({
-            alg: ("cross_device_ops", alg) for alg in
-            ("nccl", "hierarchical_copy", "reduction_to_one_device")})),
-    "central_storage": _Rule(
-        "central_storage", gpus=lambda n: {"compute_devices": _gpu_devices(n)}),
-    "multi_worker_mirrored": _Rule(
-        "multi_worker_mirrored", max_hosts=None, roles="no_ps",
-        all_reduce=types.MappingProxyType({
-            alg: ("implementation", alg) for alg in ("ring", "nccl")})),
-    "parameter_server": _Rule("parameter_server", max_hosts=0, roles="ps"),
-    "tpu": _Rule("tpu", max_hosts=0, tpu=True),
-})
-
-#: Every ``--strategy`` value, Model Garden's ``off`` included.
-STRATEGY_CHOICES = tuple(sorted(_RULES))
-#: Every ``--all_reduce_alg`` value; which ones apply depends on --strategy.
-ALL_REDUCE_ALGS = tuple(sorted({a for r in _RULES.values()
-                                for a in r.all_reduce}))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -223,9 +174,10 @@ def define_flags(flag_values: FlagValues = _FLAGS, *,
           lower_bound=0, flag_values=fv),
       all_reduce_alg=flags.DEFINE_enum(
           "all_reduce_alg", None, ALL_REDUCE_ALGS,
-          "Gradient all-reduce. mirrored: nccl, hierarchical_copy, "
-          "reduction_to_one_device; multi_worker_mirrored: ring, nccl. "
-          "Default: TensorFlow's choice.", flag_values=fv),
+          "Gradient all-reduce. " + "; ".join(
+              f"{s.name}: {', '.join(s.all_reduce)}"
+              for s in _ALL_REDUCE_SPECS) + ". Default: TensorFlow's choice.",
+          flag_values=fv),
       tpu=flags.DEFINE_string(
           "tpu", None, "TPU: 'local' on a TPU VM, a TPU name, or "
           "grpc://host:port.", flag_values=fv),
@@ -322,43 +274,45 @@ def _check_slurm_roles(raw: str | None) -> bool:
   return True
 
 
-def _accepted_by(predicate: Callable[[_Rule], bool]) -> str:
-  return ", ".join(n for n in STRATEGY_CHOICES if predicate(_RULES[n]))
+def _accepted_by(predicate: Callable[[catalog.StrategySpec], bool]) -> str:
+  return ", ".join(n for n in STRATEGY_CHOICES
+                   if predicate(catalog.lookup(n)))
 
 
 def _check_num_gpus(values: Mapping[str, Any]) -> bool:
-  rule, n = _RULES[values["strategy"]], values["num_gpus"]
+  rule, n = catalog.lookup(values["strategy"]).gpus, values["num_gpus"]
   if n is None:
     return True
-  if rule.gpus is None:
+  if rule is None:
     raise flags.ValidationError(
         f"--num_gpus={n} does not apply to --strategy={values['strategy']}; "
-        f"it applies to {_accepted_by(lambda r: r.gpus is not None)}. "
+        f"it applies to {_accepted_by(lambda s: s.gpus is not None)}. "
         "Multi-worker and TPU strategies use every device a task sees "
         "(choose GPUs with CUDA_VISIBLE_DEVICES or SLURM's --gpus-per-node)")
-  if rule.max_gpus is not None and n > rule.max_gpus:
+  if rule.most is not None and n > rule.most:
     raise flags.ValidationError(
         f"--num_gpus={n} is too many for --strategy={values['strategy']}, "
-        f"which uses at most {rule.max_gpus}; use --strategy=mirrored")
+        f"which uses at most {rule.most}; use --strategy=mirrored")
   return True
 
 
 def _check_all_reduce_alg(values: Mapping[str, Any]) -> bool:
-  rule, alg = _RULES[values["strategy"]], values["all_reduce_alg"]
-  if alg is not None and alg not in rule.all_reduce:
-    valid = sorted(rule.all_reduce)
+  spec, alg = catalog.lookup(values["strategy"]), values["all_reduce_alg"]
+  if alg is not None and alg not in spec.all_reduce:
+    valid = sorted(spec.all_reduce)
+    takers = " and ".join(s.name for s in _ALL_REDUCE_SPECS)
     raise flags.ValidationError(
         f"--all_reduce_alg={alg} does not apply to "
         f"--strategy={values['strategy']}; "
         + (f"it takes {', '.join(valid)}" if valid else
-           "it takes none (mirrored and multi_worker_mirrored do)"))
+           f"it takes none ({takers} do)"))
   return True
 
 
 def _check_strategy_tpu(values: Mapping[str, Any]) -> bool:
   if values["tpu"] is None:
     return True
-  if not _RULES[values["strategy"]].tpu:
+  if not catalog.lookup(values["strategy"]).tpu:
     raise flags.ValidationError(
         f"--tpu={values['tpu']!r} needs --strategy=tpu or auto, not "
         f"{values['strategy']}")
@@ -371,15 +325,14 @@ def _check_strategy_tpu(values: Mapping[str, Any]) -> bool:
 
 def _check_strategy_hosts(values: Mapping[str, Any]) -> bool:
   raw, name = values["worker_hosts"], values["strategy"]
-  limit = _RULES[name].max_hosts
+  spec = catalog.lookup(name)
+  limit = spec.max_hosts
   if raw is None or limit is None or len(_hosts(raw)) <= limit:
     return True
   if limit == 0:
     raise flags.ValidationError(
         f"--worker_hosts does not apply to --strategy={name}: "
-        + ("it needs ps and chief tasks too; use TF_CONFIG, tfdist launch "
-           "or --slurm_roles" if name == "parameter_server" else
-           "a TPU strategy has no worker hosts"))
+        f"{spec.no_hosts_reason}")
   raise flags.ValidationError(
       f"--worker_hosts lists {len(_hosts(raw))} hosts but --strategy={name} "
       "runs in one process; use --strategy=multi_worker_mirrored or auto")
@@ -397,15 +350,16 @@ def _check_roles(values: Mapping[str, Any]) -> bool:
     has_ps = bool(parse_roles(raw).get("ps"))
   except ConfigError:
     return True  # _check_slurm_roles reports it.
+  takers = [s.name for s in catalog.CATALOG.values() if s.roles]
   why = {
-      "": "it runs in one process; --slurm_roles is for auto, "
-          "multi_worker_mirrored and parameter_server",
+      "": "it runs in one process; --slurm_roles is for "
+          f"{', '.join(takers[:-1])} and {takers[-1]}",
       "ps": "" if has_ps else "parameter_server needs ps tasks, e.g. "
             "chief=1,ps=1,worker=2",
       "no_ps": "ps tasks need --strategy=parameter_server or auto"
                if has_ps else "",
       "any": "",
-  }[_RULES[name].roles]
+  }[catalog.lookup(name).roles]
   if why:
     raise flags.ValidationError(
         f"--slurm_roles={raw!r} does not fit --strategy={name}: {why}")
@@ -473,15 +427,14 @@ def run(main: Callable[[list[str]], Any]) -> None:
 def strategy_config(flag_values: FlagValues = _FLAGS) -> StrategyConfig:
   """Maps the parsed flags to a `make_strategy` call, without building it."""
   fv = flag_values
-  name = fv["strategy"].value
-  rule = _RULES[name]
+  spec = catalog.lookup(fv["strategy"].value)
   options: dict[str, Any] = {}
   if fv["num_gpus"].value is not None:
-    options.update(rule.gpus(fv["num_gpus"].value))
+    options.update(spec.gpus.options(fv["num_gpus"].value))
   if fv["all_reduce_alg"].value is not None:
-    field, value = rule.all_reduce[fv["all_reduce_alg"].value]
+    field, value = spec.all_reduce[fv["all_reduce_alg"].value]
     options[field] = value
-  builder = rule.builder
+  builder = spec.name
   if fv["tpu"].value is not None:
     builder = "tpu"  # --tpu with auto means a TPU.
     options["tpu"] = fv["tpu"].value
@@ -506,8 +459,11 @@ def cluster_from_flags(flag_values: FlagValues = _FLAGS):
   Returns:
     A `tfdist.ClusterInfo`.
   """
+  return _resolve(strategy_config(flag_values))
+
+
+def _resolve(config: StrategyConfig):
   from tfdist.cluster import resolve  # pylint: disable=g-import-not-at-top
-  config = strategy_config(flag_values)
   return resolve.resolve_cluster(config.cluster, tpu=config.options.get("tpu"),
                                  slurm_roles=config.slurm_roles)
 
@@ -527,8 +483,7 @@ def strategy_from_flags(flag_values: FlagValues = _FLAGS):
   """
   from tfdist.strategy import factory  # pylint: disable=g-import-not-at-top
   config = strategy_config(flag_values)
-  return factory.make_strategy(config.name,
-                               cluster=cluster_from_flags(flag_values),
+  return factory.make_strategy(config.name, cluster=_resolve(config),
                                **config.options)
 
 

@@ -12,12 +12,11 @@ import sys
 import time
 
 import tfdist
-from tfdist.training.preemption import PreemptionWatcher
 
 check_seconds, sleep, signal_at = (float(a) for a in sys.argv[1:4])
 strategy = tfdist.make_strategy("multi_worker_mirrored")
 task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-watcher = PreemptionWatcher(strategy, check_seconds=check_seconds)
+watcher = tfdist.PreemptionWatcher(strategy, check_seconds=check_seconds)
 agreements = 0
 inner = watcher._all_workers_sum  # pylint: disable=protected-access
 

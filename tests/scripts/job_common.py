@@ -12,8 +12,8 @@ GLOBAL_BATCH = 8
 def in_process_ps_cluster(num_workers: int) -> dict:
   """Starts worker and ps servers in this process; returns the chief's config."""
   from tfdist.strategy import server as server_lib  # pylint: disable=g-import-not-at-top
-  from tfdist import localhost  # pylint: disable=g-import-not-at-top
-  ports = localhost.free_ports(num_workers + 2)
+  from tfdist import _net  # pylint: disable=g-import-not-at-top
+  ports = _net.free_ports(num_workers + 2)
   jobs = {"chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],
           "worker": [f"127.0.0.1:{p}" for p in ports[2:]]}
   for job in ("worker", "ps"):

@@ -42,7 +42,7 @@ if args.upstream:
       "default": tf.distribute.get_strategy,
   }[args.strategy]()
   if args.fixes:
-    from tfdist.training import keras_compat  # pylint: disable=g-import-not-at-top
+    from tfdist._compat import keras as keras_compat  # pylint: disable=g-import-not-at-top
     keras_compat.apply(args.fixes.split(","))
 else:
   import tfdist  # pylint: disable=g-import-not-at-top
@@ -51,7 +51,7 @@ else:
 import numpy as np  # pylint: disable=g-import-not-at-top
 import keras  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,reimported
-from tfdist.training import keras_compat  # pylint: disable=g-import-not-at-top
+from tfdist._compat import keras as keras_compat  # pylint: disable=g-import-not-at-top
 
 
 def build_and_compile_cnn_model():

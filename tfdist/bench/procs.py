@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Mapping, Sequence
 
-from tfdist import localhost
+from tfdist import _net
 from tfdist.errors import TfdistError
 
 __all__ = ["BenchProcessError", "Finished", "run_all", "worker_env",
@@ -50,8 +50,8 @@ def python_module(module: str, *args: str) -> list[str]:
   return [sys.executable, "-m", module, *args]
 
 
-worker_env = localhost.child_env
-tf_configs = localhost.worker_tf_configs
+worker_env = _net.child_env
+tf_configs = _net.worker_tf_configs
 
 
 def run_all(commands: Sequence[Sequence[str]],

@@ -8,13 +8,11 @@ figure is a median of repeated windows or runs.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
 import json
 import os
 import platform
-import sys
 import time
 from typing import Any, Callable
 
@@ -26,7 +24,9 @@ from tfdist.bench import scaling as scaling_lib
 from tfdist.bench import startup as startup_lib
 from tfdist.errors import ConfigError
 
-__all__ = ["BenchConfig", "QUICK", "FULL", "run", "add_arguments", "run_cli"]
+__all__ = ["BenchConfig", "QUICK", "FULL", "run", "check_outputs"]
+
+_SOURCE = "tfdist.bench.run"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,34 +163,19 @@ def run(config: BenchConfig, *, json_path: str | None = None,
   return report
 
 
-def _check_outputs(json_path: str | None, plot_path: str | None) -> None:
-  """Fails before the minutes of measuring if the report cannot be written."""
-  for field, path in (("--json", json_path), ("--plot", plot_path)):
+def check_outputs(*, json_path: str | None = None,
+                  plot_path: str | None = None) -> None:
+  """Fails before the minutes of `run` if its report cannot be written.
+
+  Raises:
+    ConfigError: a path is not in an existing directory, or a plot is asked
+      for without matplotlib.
+  """
+  for field, path in (("json_path", json_path), ("plot_path", plot_path)):
     if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-      raise ConfigError(field=field, value=path, source="tfdist bench",
+      raise ConfigError(field=field, value=path, source=_SOURCE,
                         expected="a file in an existing directory")
   if plot_path and importlib.util.find_spec("matplotlib") is None:
-    raise ConfigError(field="--plot", value=plot_path, source="tfdist bench",
+    raise ConfigError(field="plot_path", value=plot_path, source=_SOURCE,
                       expected="matplotlib installed",
                       hint="pip install 'tfdist[bench]'")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-  """The ``tfdist bench`` flags."""
-  parser.add_argument("--quick", action="store_true",
-                      help="the CI preset: checks the bench runs (minutes)")
-  parser.add_argument("--json", metavar="PATH", default=None,
-                      help="write the report here")
-  parser.add_argument("--plot", metavar="PATH.png", default=None,
-                      help="write throughput and bandwidth plots here")
-
-
-def run_cli(args: argparse.Namespace) -> int:
-  """Runs the bench from parsed flags; prints the headline table."""
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  _check_outputs(args.json, args.plot)
-  config = QUICK if args.quick else FULL
-  report = run(config, json_path=args.json, plot_path=args.plot,
-               log=lambda s: print(s, file=sys.stderr, flush=True))
-  print(report_lib.format_table(report))
-  return 0

@@ -1,8 +1,9 @@
 """`ClusterInfo`: what tfdist knows about the cluster this process belongs to.
 
 Resolvers (TF_CONFIG, SLURM, TPU, the local machine) each return one frozen
-`ClusterInfo`. It converts to what TensorFlow wants: a `tf.train.ClusterSpec`,
-a `ClusterResolver` or a TF_CONFIG dict. Resolvers never write `os.environ`.
+`ClusterInfo`. It converts to what TensorFlow wants: a `tf.train.ClusterSpec`
+or a TF_CONFIG dict (`tfdist.cluster.resolver.resolver_for` makes a
+`ClusterResolver` of it). Resolvers never write `os.environ`.
 """
 
 from __future__ import annotations
@@ -10,13 +11,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator, Mapping
 
-__all__ = ["ClusterInfo", "SlurmInfo", "FrozenMapping", "SOURCES", "JOB_NAMES"]
+__all__ = ["ClusterInfo", "SlurmInfo", "FrozenMapping", "SOURCES", "JOB_NAMES",
+           "is_chief_task"]
 
 #: Where a `ClusterInfo` can come from, in the order of precedence.
 SOURCES = ("explicit", "tf_config", "slurm", "tpu", "local")
 
 #: Job names TensorFlow documents for TF_CONFIG.
 JOB_NAMES = ("chief", "worker", "ps", "evaluator")
+
+
+def is_chief_task(task_type: str | None, task_id: int | None,
+                  cluster: Mapping[str, Any]) -> bool:
+  """The one rule for who writes checkpoints, logs and exports.
+
+  That is the single local process (no task type), the ``chief`` task, or
+  worker 0 when the cluster has no chief. `ClusterInfo.is_chief` and
+  `tfdist.is_chief` both apply it.
+  """
+  if task_type in (None, "chief"):
+    return True
+  return task_type == "worker" and task_id == 0 and "chief" not in cluster
 
 
 class FrozenMapping(Mapping):
@@ -133,12 +148,7 @@ class ClusterInfo:
     That is the ``chief`` task, or worker 0 when the cluster has no chief, or
     the single local process.
     """
-    if self.task_type is None:
-      return True
-    if self.task_type == "chief":
-      return True
-    return (self.task_type == "worker" and self.task_id == 0
-            and "chief" not in self.cluster)
+    return is_chief_task(self.task_type, self.task_id, self.cluster)
 
   @property
   def address(self) -> str | None:
@@ -170,8 +180,3 @@ class ClusterInfo:
     import tensorflow as tf  # Deferred: parsing needs no TensorFlow.
     return tf.train.ClusterSpec(
         {job: list(addrs) for job, addrs in self.cluster.items()})
-
-  def to_resolver(self):
-    """A `tf.distribute.cluster_resolver.ClusterResolver` for this cluster."""
-    from tfdist.cluster import resolver  # Deferred: imports TensorFlow.
-    return resolver.StaticClusterResolver(self)

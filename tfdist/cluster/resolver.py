@@ -1,69 +1,66 @@
-"""A `ClusterResolver` backed by a `ClusterInfo`, so TF strategies accept it."""
+"""TensorFlow `ClusterResolver`s backed by a resolved `ClusterInfo`.
+
+The only module of `tfdist.cluster` that imports TensorFlow: strategies take a
+`ClusterResolver`, and `resolver_for` turns any `ClusterInfo` into one.
+"""
 
 from __future__ import annotations
 
 import tensorflow as tf
 
+from tfdist.cluster import slurm as slurm_lib
 from tfdist.cluster.info import ClusterInfo
 
-__all__ = ["StaticClusterResolver"]
+__all__ = ["StaticClusterResolver", "SlurmClusterResolver", "resolver_for"]
 
-_Base = tf.distribute.cluster_resolver.ClusterResolver
-
-
-class StaticClusterResolver(_Base):
+class StaticClusterResolver(tf.distribute.cluster_resolver.SimpleClusterResolver):
   """Serves a resolved `ClusterInfo` through TensorFlow's resolver interface."""
 
   def __init__(self, info: ClusterInfo):
+    super().__init__(info.cluster_spec(), task_type=info.task_type,
+                     task_id=info.task_id,
+                     num_accelerators=dict(info.accelerators),
+                     rpc_layer=info.rpc_layer)
     self._info = info
-    self._task_type = info.task_type
-    self._task_id = info.task_id
-    self._rpc_layer = info.rpc_layer
+
+  def master(self, task_type=None, task_id=None, rpc_layer=None):
+    """This task's address (TensorFlow's resolver gives ``""`` unless told)."""
+    task_type = self.task_type if task_type is None else task_type
+    task_id = self.task_id if task_id is None else task_id
+    if task_type is None or task_id is None:
+      return ""
+    return super().master(task_type, task_id, rpc_layer)
 
   @property
   def info(self) -> ClusterInfo:
+    """The resolved cluster this resolver serves."""
     return self._info
 
-  def cluster_spec(self):
-    return self._info.cluster_spec()
 
-  def master(self, task_type=None, task_id=None, rpc_layer=None):
-    task_type = self._task_type if task_type is None else task_type
-    task_id = self._task_id if task_id is None else task_id
-    rpc_layer = self._rpc_layer if rpc_layer is None else rpc_layer
-    if task_type is None or task_id is None:
-      return ""
-    address = self.cluster_spec().task_address(task_type, task_id)
-    return f"{rpc_layer}://{address}" if rpc_layer else address
+class SlurmClusterResolver(StaticClusterResolver):
+  """A TF ``ClusterResolver`` for the current srun step.
 
-  def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
-    del task_type, task_id, config_proto  # Same on every task here.
-    return dict(self._info.accelerators)
+  Unlike ``tf.distribute.cluster_resolver.SlurmClusterResolver`` it keeps
+  SLURM's rank order, works without GPUs and never writes the environment
+  (tensorflow/tensorflow#56894).
 
-  @property
-  def task_type(self):
-    return self._task_type
+  Example:
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=SlurmClusterResolver())
+  """
 
-  @task_type.setter
-  def task_type(self, value):
-    self._task_type = value
+  def __init__(self, *, roles: slurm_lib.Roles | None = None,
+               port_base: int | None = None,
+               environ: slurm_lib.Environ | None = None):
+    """Resolves with `tfdist.cluster.slurm.resolve_slurm` (same arguments).
 
-  @property
-  def task_id(self):
-    return self._task_id
+    Raises:
+      ConfigError: as `resolve_slurm`.
+    """
+    super().__init__(slurm_lib.resolve_slurm(environ, roles=roles,
+                                             port_base=port_base))
 
-  @task_id.setter
-  def task_id(self, value):
-    self._task_id = value
 
-  @property
-  def rpc_layer(self):
-    return self._rpc_layer
-
-  @rpc_layer.setter
-  def rpc_layer(self, value):
-    self._rpc_layer = value
-
-  @property
-  def environment(self):
-    return ""
+def resolver_for(info: ClusterInfo) -> StaticClusterResolver:
+  """A `tf.distribute.cluster_resolver.ClusterResolver` serving ``info``."""
+  return StaticClusterResolver(info)

@@ -60,7 +60,6 @@ __all__ = [
     "in_slurm_job",
     "resolve_slurm",
     "default_port_base",
-    "SlurmClusterResolver",
     "PORT_RANGE_START",
     "PORTS_PER_JOB",
 ]
@@ -70,9 +69,9 @@ Environ = Mapping[str, str]
 #: Job name to number of tasks, in rank order, e.g. ``{"chief": 1, ...}``.
 Roles = Mapping[str, int]
 
-#: First port of the derived range.
 #: The variable that assigns roles when ``roles=`` is not given.
 ROLES_VARIABLE = "TFDIST_SLURM_ROLES"
+#: First port of the derived range.
 PORT_RANGE_START = 10000
 #: Ports reserved for one job id on one node.
 PORTS_PER_JOB = 16
@@ -444,44 +443,3 @@ def _accelerators(env: Environ, source: str) -> dict[str, int]:
     count = _read_int(env, "SLURM_GPUS_ON_NODE", source)
     return {"GPU": count} if count else {}
   return {}
-
-
-def _define_resolver_class():
-  """Builds `SlurmClusterResolver`; deferred because it imports TensorFlow."""
-  from tfdist.cluster.resolver import StaticClusterResolver
-
-  class SlurmClusterResolver(StaticClusterResolver):
-    """A TF ``ClusterResolver`` for the current srun step.
-
-    Unlike ``tf.distribute.cluster_resolver.SlurmClusterResolver`` it keeps
-    SLURM's rank order, works without GPUs and never writes the environment.
-
-    Example:
-      strategy = tf.distribute.MultiWorkerMirroredStrategy(
-          cluster_resolver=SlurmClusterResolver())
-    """
-
-    def __init__(self, *, roles: Roles | None = None,
-                 port_base: int | None = None,
-                 environ: Environ | None = None):
-      """Resolves with `resolve_slurm` (same arguments); see there.
-
-      Raises:
-        ConfigError: as `resolve_slurm`.
-      """
-      super().__init__(resolve_slurm(environ, roles=roles,
-                                     port_base=port_base))
-
-  SlurmClusterResolver.__module__ = __name__
-  SlurmClusterResolver.__qualname__ = "SlurmClusterResolver"
-  return SlurmClusterResolver
-
-
-def __getattr__(name: str):
-  # PEP 562: `SlurmClusterResolver` is built on first use, so resolving a
-  # cluster (and `import tfdist.cluster.slurm`) does not import TensorFlow.
-  if name == "SlurmClusterResolver":
-    cls = _define_resolver_class()
-    globals()[name] = cls
-    return cls
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

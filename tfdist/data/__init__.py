@@ -36,7 +36,6 @@ from tfdist.data.feed import make_dataset_fn
 from tfdist.data.sharding import ShardPolicy
 from tfdist.data.sharding import choose_shard_policy
 from tfdist.data.sharding import files_for_pipeline
-from tfdist.data.sharding import num_input_workers
 from tfdist.data.sharding import set_shard_policy
 from tfdist.data.sharding import shard_by_data
 from tfdist.data.sharding import shard_policy_of
@@ -47,6 +46,7 @@ from tfdist.data.tfds_input import DatasetName
 from tfdist.data.tfds_input import load_tfds
 from tfdist.data.tfds_input import tfds_builder
 from tfdist.data.tfds_input import tfds_dataset_fn
+from tfdist.strategy.introspect import num_input_workers
 
 __all__ = [
     "Batching",

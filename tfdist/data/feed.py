@@ -31,6 +31,7 @@ import tensorflow as tf
 from tfdist.data import batching as batching_lib
 from tfdist.data import sharding
 from tfdist.errors import ConfigError
+from tfdist.strategy import introspect
 
 __all__ = [
     "DatasetFn",
@@ -256,7 +257,7 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
         num_replicas=replicas, global_batch_size=global_batch_size,
         drop_remainder=static is not None, source="distribute_dataset")
   policy = sharding.choose_shard_policy(
-      num_workers=sharding.num_input_workers(strategy), num_files=num_files)
+      num_workers=introspect.num_input_workers(strategy), num_files=num_files)
   dataset = sharding.set_shard_policy(dataset, policy)
   return strategy.experimental_distribute_dataset(dataset, options)
 

@@ -28,7 +28,6 @@ __all__ = [
     "ShardPolicy",
     "choose_shard_policy",
     "files_for_pipeline",
-    "num_input_workers",
     "set_shard_policy",
     "shard_by_data",
     "shard_policy_of",
@@ -44,7 +43,7 @@ def choose_shard_policy(*, num_workers: int,
 
   Args:
     num_workers: input pipelines to feed, e.g.
-      ``input_context.num_input_pipelines`` or `num_input_workers(strategy)`.
+      ``input_context.num_input_pipelines`` or `tfdist.data.num_input_workers(strategy)`.
     num_files: files the source reads; ``None`` when it reads none or the
       count is unknown (a generator, ``from_tensor_slices``, ``range``).
 
@@ -134,24 +133,3 @@ def files_for_pipeline(files: Sequence[_T],
   if policy == ShardPolicy.FILE:
     return files[input_context.input_pipeline_id::n], policy
   return files, policy
-
-
-def num_input_workers(strategy: tf.distribute.Strategy) -> int:
-  """The input pipelines ``strategy`` reads from: one per worker host.
-
-  One for single-process strategies; the chief and worker tasks for
-  MultiWorkerMirroredStrategy; the worker tasks for ParameterServerStrategy
-  and the TPU hosts for TPUStrategy.
-  """
-  resolver = getattr(strategy, "cluster_resolver", None)
-  if resolver is None:
-    return 1
-  spec = resolver.cluster_spec().as_dict()
-  jobs = (("worker",) if isinstance(
-      strategy, tf.distribute.experimental.ParameterServerStrategy)
-          else ("chief", "worker"))
-  count = 0
-  for job in jobs:
-    tasks = spec.get(job, ())
-    count += len(tasks)  # A list, or a {index: address} dict.
-  return max(count, 1)

@@ -13,6 +13,9 @@ tf.distribute strategy on CPU: it all-reduces inside a ``tf.cond``, where a
 * `accumulating_step` is a `tfdist.Runner` step.
 * `with_accumulation` gives a Keras model the same ``train_step`` for
   ``fit`` and `tfdist.fit` (batch the data ``k`` times larger).
+* `scaled_loss` is a replica's share of the global mean loss; with one
+  micro-batch (k = 1, no split, no float32 sum) `accumulating_step` is the
+  plain step that `tfdist.supervised_step` builds on.
 """
 
 from __future__ import annotations
@@ -24,9 +27,21 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 
-__all__ = ["accumulating_step", "with_accumulation"]
+__all__ = ["accumulating_step", "scaled_loss", "with_accumulation"]
 
-StepFn = Callable[[Any], Mapping[str, tf.Tensor] | None]
+
+def scaled_loss(per_example_loss: tf.Tensor, global_batch_size: int,
+                regularization_losses: Sequence[tf.Tensor] = ()) -> tf.Tensor:
+  """A replica's share of the global mean loss, ready for gradients.
+
+  Summing it over replicas gives the mean over the global batch.
+  """
+  replicas = tf.distribute.get_strategy().num_replicas_in_sync
+  loss = tf.nn.compute_average_loss(per_example_loss,
+                                    global_batch_size=global_batch_size)
+  if regularization_losses:
+    loss += tf.add_n(list(regularization_losses)) / replicas
+  return loss
 
 
 def _check_steps(steps: Any, source: str) -> None:
@@ -37,12 +52,18 @@ def _check_steps(steps: Any, source: str) -> None:
 
 def _micro_batches(batch: Any, k: int) -> list[Any]:
   """``batch`` split into k equal parts along the first axis."""
+  if k == 1:
+    return [batch]
   parts = [tf.split(t, k) for t in tf.nest.flatten(batch)]
   return [tf.nest.pack_sequence_as(batch, [p[i] for p in parts])
           for i in range(k)]
 
 
-def _sum_into(total: list[Any] | None, grads: Sequence[Any]) -> list[Any]:
+def _sum_into(total: list[Any] | None, grads: Sequence[Any],
+              k: int) -> list[Any]:
+  """``total + grads``, summed in float32 when there are several to sum."""
+  if k == 1:
+    return list(grads)
   # float32 sums: a float16 model's gradients are widened before adding.
   grads = [None if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
            for g in grads]
@@ -52,9 +73,16 @@ def _sum_into(total: list[Any] | None, grads: Sequence[Any]) -> list[Any]:
           for a, g in zip(total, grads)]
 
 
+def _apply(optimizer, total: Sequence[Any], variables: Sequence[Any]) -> None:
+  """Applies the summed gradients, cast back to each variable's dtype."""
+  optimizer.apply_gradients(zip(
+      [None if g is None else tf.cast(g, v.dtype)
+       for g, v in zip(total, variables)], variables))
+
+
 def accumulating_step(model, optimizer, loss_fn, *, global_batch_size: int,
-                      accumulation_steps: int,
-                      metrics: Sequence[Any] = ()) -> StepFn:
+                      accumulation_steps: int, metrics: Sequence[Any] = ()
+                      ) -> Callable[[Any], Mapping[str, tf.Tensor]]:
   """A `tfdist.Runner` step over ``accumulation_steps`` micro-batches.
 
   Args:
@@ -73,24 +101,22 @@ def accumulating_step(model, optimizer, loss_fn, *, global_batch_size: int,
     `tfdist.supervised_step` does.
   """
   _check_steps(accumulation_steps, "accumulating_step")
-  from tfdist.training import runner  # pylint: disable=g-import-not-at-top
   k = accumulation_steps
 
   def step(batch):
-    total, loss_sum = None, 0.0
+    total, loss_sum = None, None
     variables = model.trainable_variables
     for x, y in _micro_batches(batch, k):
       with tf.GradientTape() as tape:
         y_pred = model(x, training=True)
-        loss = runner.scaled_loss(loss_fn(y, y_pred), global_batch_size,
-                                  [l / k for l in model.losses])
-      total = _sum_into(total, tape.gradient(loss, variables))
-      loss_sum += loss
+        loss = scaled_loss(loss_fn(y, y_pred), global_batch_size,
+                           [l / k for l in model.losses] if k > 1
+                           else model.losses)
+      total = _sum_into(total, tape.gradient(loss, variables), k)
+      loss_sum = loss if loss_sum is None else loss_sum + loss
       for metric in metrics:
         metric.update_state(y, y_pred)
-    grads = [None if g is None else tf.cast(g, v.dtype)
-             for g, v in zip(total, variables)]
-    optimizer.apply_gradients(zip(grads, variables))
+    _apply(optimizer, total, variables)
     return {"loss": loss_sum}
   return step
 
@@ -134,11 +160,9 @@ def with_accumulation(model, accumulation_steps: int):
             unscale(loss), sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
         # pylint: enable=protected-access
         loss = self.optimizer.scale_loss(loss) / k
-      total = _sum_into(total, tape.gradient(loss, variables))
+      total = _sum_into(total, tape.gradient(loss, variables), k)
       logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    self.optimizer.apply_gradients(
-        zip([None if g is None else tf.cast(g, v.dtype)
-             for g, v in zip(total, variables)], variables))
+    _apply(self.optimizer, total, variables)
     return logs
 
   object.__setattr__(model, "train_step", types.MethodType(train_step, model))

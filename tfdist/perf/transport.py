@@ -51,6 +51,7 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 from tfdist.perf import ring as ring_lib
+from tfdist.strategy import introspect
 
 __all__ = ["TRANSPORTS", "check_strategy", "ring_for", "socket_all_reduce",
            "close_transports"]
@@ -127,12 +128,11 @@ def check_strategy(strategy) -> bool:
 
 def _peers(strategy) -> tuple[int, list[str], list[str]]:
   """This worker's rank, every worker's host and name, chief first."""
-  resolver = strategy.cluster_resolver
-  spec = resolver.cluster_spec().as_dict()
+  task_type, task_id, spec = introspect.task_of(strategy)
   tasks = [(job, i, address) for job in ("chief", "worker")
            for i, address in enumerate(_addresses(spec.get(job, ())))]
   names = [f"{job}:{i}" for job, i, _ in tasks]
-  me = f"{resolver.task_type}:{resolver.task_id}"
+  me = f"{task_type}:{task_id}"
   if me not in names or len(tasks) != strategy.num_replicas_in_sync:
     raise ConfigError(
         field="cluster", value=spec, source=f"{_SOURCE}, cluster resolver",

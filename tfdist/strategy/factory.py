@@ -10,11 +10,13 @@
 | one process                               | 2 or more GPUs| ``mirrored``            |
 | one process                               | 1 GPU         | ``one_device`` (GPU 0)  |
 | one process                               | CPU only      | ``default``             |
+
+The names and the options each builder takes come from `catalog.CATALOG`;
+this module holds the builders, which need TensorFlow.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import sys
 from typing import Any, Callable, Mapping
@@ -22,24 +24,24 @@ from typing import Any, Callable, Mapping
 from absl import logging
 import tensorflow as tf
 
+from tfdist._compat import keras as keras_compat
 from tfdist.cluster import local as local_lib
 from tfdist.cluster import resolve as resolve_lib
-from tfdist.cluster import startup as startup_lib
+from tfdist.cluster import resolver as resolver_lib
 from tfdist.cluster.info import ClusterInfo
 from tfdist.errors import ConfigError, StartupTimeoutError
+from tfdist.strategy import catalog
 from tfdist.strategy import options as opts
 from tfdist.strategy import server as server_lib
+from tfdist.strategy import startup as startup_lib
 from tfdist.strategy import tpu as tpu_builder
+from tfdist.strategy.catalog import STRATEGY_NAMES
 
 __all__ = ["make_strategy", "choose_strategy", "options_for", "STRATEGY_NAMES"]
 
 Strategy = tf.distribute.Strategy
-
-
-@dataclasses.dataclass(frozen=True)
-class _Builder:
-  options: type
-  build: Callable[[Any, ClusterInfo], Strategy]
+#: Builds a strategy from its options dataclass and the resolved cluster.
+_Builder = Callable[[Any, ClusterInfo], Strategy]
 
 
 def _build_default(o: opts.DefaultOptions, info: ClusterInfo) -> Strategy:
@@ -48,15 +50,15 @@ def _build_default(o: opts.DefaultOptions, info: ClusterInfo) -> Strategy:
 
 
 def _build_one_device(o: opts.OneDeviceOptions, info: ClusterInfo) -> Strategy:
-  _single_process_only("one_device", info)
+  del info
   gpus = local_lib.local_devices().get("GPU", 0)
-  device = o.device or ("/gpu:0" if gpus else "/cpu:0")
+  device = o.device or catalog.gpu_devices(gpus)[0]
   _check_devices("device", [device])
   return tf.distribute.OneDeviceStrategy(device)
 
 
 def _build_mirrored(o: opts.MirroredOptions, info: ClusterInfo) -> Strategy:
-  _single_process_only("mirrored", info)
+  del info
   devices = o.devices
   if o.num_gpus is not None:
     have = local_lib.local_devices().get("GPU", 0)
@@ -64,7 +66,7 @@ def _build_mirrored(o: opts.MirroredOptions, info: ClusterInfo) -> Strategy:
       raise ConfigError(field="num_gpus", value=o.num_gpus,
                         expected=f"at most {have}, the GPUs this machine has",
                         source="make_strategy options")
-    devices = tuple(f"/gpu:{i}" for i in range(o.num_gpus)) or ("/cpu:0",)
+    devices = catalog.gpu_devices(o.num_gpus)
   if devices:
     _check_devices("devices", devices)
   cross_device_ops = {
@@ -99,7 +101,7 @@ class _MirroredStrategy(tf.distribute.MirroredStrategy):
 
 def _build_central_storage(o: opts.CentralStorageOptions,
                            info: ClusterInfo) -> Strategy:
-  _single_process_only("central_storage", info)
+  del info
   devices = list(o.compute_devices or ())
   if o.parameter_device:
     devices.append(o.parameter_device)
@@ -136,7 +138,7 @@ def _build_multi_worker_mirrored(o: opts.MultiWorkerMirroredOptions,
   try:
     with startup_lib.bounded_startup(info, o.startup_timeout_seconds):
       return tf.distribute.MultiWorkerMirroredStrategy(
-          cluster_resolver=info.to_resolver(),
+          cluster_resolver=resolver_lib.resolver_for(info),
           communication_options=communication)
   except tf.errors.UnavailableError as e:
     # The leader ended (its own start-up bound, a crash) while this task
@@ -194,24 +196,19 @@ def _build_parameter_server(o: opts.ParameterServerOptions,
       "fixed": lambda: partitioners.FixedShardsPartitioner(o.num_shards),
   }[o.variable_partitioner]()
   return tf.distribute.experimental.ParameterServerStrategy(
-      info.to_resolver(), variable_partitioner=partitioner)
+      resolver_lib.resolver_for(info), variable_partitioner=partitioner)
 
 
-_BUILDERS: dict[str, _Builder] = {
-    "default": _Builder(opts.DefaultOptions, _build_default),
-    "one_device": _Builder(opts.OneDeviceOptions, _build_one_device),
-    "mirrored": _Builder(opts.MirroredOptions, _build_mirrored),
-    "multi_worker_mirrored": _Builder(opts.MultiWorkerMirroredOptions,
-                                      _build_multi_worker_mirrored),
-    "central_storage": _Builder(opts.CentralStorageOptions,
-                                _build_central_storage),
-    "parameter_server": _Builder(opts.ParameterServerOptions,
-                                 _build_parameter_server),
-    "tpu": _Builder(opts.TPUOptions, tpu_builder.build_tpu),
+#: `catalog.BUILT_NAMES` -> builder; the options come from the catalog.
+_BUILDERS: Mapping[str, _Builder] = {
+    "default": _build_default,
+    "one_device": _build_one_device,
+    "mirrored": _build_mirrored,
+    "multi_worker_mirrored": _build_multi_worker_mirrored,
+    "central_storage": _build_central_storage,
+    "parameter_server": _build_parameter_server,
+    "tpu": tpu_builder.build_tpu,
 }
-
-#: Every name `make_strategy` accepts.
-STRATEGY_NAMES = ("auto",) + tuple(sorted(_BUILDERS))
 
 
 def choose_strategy(info: ClusterInfo,
@@ -242,15 +239,9 @@ def choose_strategy(info: ClusterInfo,
 
 def options_for(name: str, values: Mapping[str, Any]) -> Any:
   """Builds the options dataclass of builder ``name`` from keyword values."""
-  builder = _builder(name)
-  fields = {f.name for f in dataclasses.fields(builder.options)}
-  unknown = sorted(set(values) - fields)
-  if unknown:
-    raise ConfigError(
-        field="option", value=unknown[0], source=f"make_strategy({name!r})",
-        expected=(f"one of {sorted(fields)}" if fields else
-                  f"no options: {name} takes none"))
-  return builder.options(**values)
+  spec = _spec(name)
+  _check_options(name, values)
+  return spec.options(**values)
 
 
 def make_strategy(name: str = "auto", *,
@@ -281,38 +272,42 @@ def make_strategy(name: str = "auto", *,
     >>> with strategy.scope():
     ...   model = build_model()
   """
-  from tfdist.training import keras_compat; keras_compat.apply()  # pylint: disable=g-import-not-at-top
+  # Every strategy tfdist builds runs Keras 3's trainer with its corrections.
+  keras_compat.apply()
   if name not in STRATEGY_NAMES:
     raise ConfigError(field="strategy", value=name, source="make_strategy",
                       expected=f"one of {list(STRATEGY_NAMES)}")
   info = resolve_lib.resolve_cluster(cluster)
   if name == "auto":
-    _check_auto_options(options)
+    _check_options(name, options)
     name, _ = choose_strategy(info)
-    fields = {f.name for f in dataclasses.fields(_builder(name).options)}
+    fields = catalog.option_fields(name)
     options = {k: v for k, v in options.items() if k in fields}
-  builder = _builder(name)
-  return builder.build(options_for(name, options), info)
+  built = options_for(name, options)
+  if catalog.CATALOG[name].one_process:
+    _single_process_only(name, info)
+  return _BUILDERS[name](built, info)
 
 
-def _builder(name: str) -> _Builder:
-  if name not in _BUILDERS:
+def _spec(name: str) -> catalog.StrategySpec:
+  if name not in catalog.BUILT_NAMES:
     raise ConfigError(field="strategy", value=name, source="make_strategy",
-                      expected=f"one of {sorted(_BUILDERS)}")
-  return _BUILDERS[name]
+                      expected=f"one of {sorted(catalog.BUILT_NAMES)}")
+  return catalog.CATALOG[name]
 
 
-def _check_auto_options(values: Mapping[str, Any]) -> None:
-  fields = {f.name for b in _BUILDERS.values()
-            for f in dataclasses.fields(b.options)}
+def _check_options(name: str, values: Mapping[str, Any]) -> None:
+  fields = catalog.option_fields(name)
   unknown = sorted(set(values) - fields)
   if unknown:
-    raise ConfigError(field="option", value=unknown[0],
-                      source="make_strategy('auto')",
-                      expected=f"one of {sorted(fields)}")
+    raise ConfigError(
+        field="option", value=unknown[0], source=f"make_strategy({name!r})",
+        expected=(f"one of {sorted(fields)}" if fields else
+                  f"no options: {name} takes none"))
 
 
 def _single_process_only(name: str, info: ClusterInfo) -> None:
+  """Refuses a `catalog` ``one_process`` strategy inside a cluster."""
   if info.num_workers > 1 or info.num_ps:
     raise ConfigError(
         field="strategy", value=name, source=info.origin,

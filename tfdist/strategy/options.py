@@ -1,7 +1,8 @@
 """Typed, frozen options for each strategy builder.
 
 Every field is keyword-only and validated on construction, so a typo or an
-impossible value fails before TensorFlow starts anything.
+impossible value fails before TensorFlow starts anything. Which strategy takes
+which dataclass is written in `tfdist.strategy.catalog`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from tfdist.cluster import tpu as tpu_lib
 from tfdist.errors import ConfigError
 
 __all__ = [
@@ -215,7 +217,6 @@ class TPUOptions:
 
   def __post_init__(self):
     if self.tpu is not None:
-      from tfdist.cluster import tpu as tpu_lib  # Keeps the import graph flat.
       object.__setattr__(self, "tpu", tpu_lib.normalize_tpu(self.tpu))
     if not (isinstance(self.connect_timeout_seconds, (int, float))
             and self.connect_timeout_seconds > 0):

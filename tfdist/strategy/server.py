@@ -15,7 +15,6 @@ logged, not obeyed: the servers end once the chief has saved and gone.
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 
@@ -23,11 +22,12 @@ from absl import logging
 
 import tensorflow as tf
 
+from tfdist import _net
 from tfdist.cluster import resolve as resolve_lib
 from tfdist.cluster.info import ClusterInfo
 from tfdist.errors import ConfigError
+from tfdist.errors import PREEMPTION_SIGNALS
 from tfdist.errors import StartupTimeoutError
-from tfdist.training.preemption import PREEMPTION_SIGNALS
 
 __all__ = ["start_server", "serve", "DEFAULT_CHIEF_TIMEOUT"]
 
@@ -85,7 +85,7 @@ def serve(cluster: resolve_lib.ClusterLike | None = None, *,
           "and ended", signal.Signals(n).name, me))
   chief = info.cluster["chief"][0]
   deadline = time.monotonic() + chief_timeout
-  while not _reachable(chief):
+  while not _net.reachable(chief):
     if time.monotonic() > deadline:
       raise StartupTimeoutError(
           f"{me}: the chief at {chief} did not "
@@ -95,14 +95,5 @@ def serve(cluster: resolve_lib.ClusterLike | None = None, *,
   misses = 0
   while misses < _GONE_AFTER:
     time.sleep(poll_seconds)
-    misses = 0 if _reachable(chief) else misses + 1
+    misses = 0 if _net.reachable(chief) else misses + 1
 
-
-def _reachable(address: str, timeout: float = 1.0) -> bool:
-  host, port = address.rsplit(":", 1)
-  try:
-    with socket.create_connection((host.strip("[]"), int(port)),
-                                  timeout=timeout):
-      return True
-  except OSError:
-    return False

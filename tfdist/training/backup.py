@@ -12,8 +12,9 @@ the position (epoch, step within the epoch):
   (`tfdist.training.preemption`);
 * a restarted ``fit`` restores the backup and resumes at the saved step: the
   batches already applied are drawn from the input and dropped, never applied
-  twice (Keras's own callback resumes at epoch starts and re-applies the steps
-  of a partial epoch, UPSTREAM.md);
+  twice (Keras 3.15's own callback resumes at epoch starts and re-applies the
+  steps of a partial epoch: with ``save_freq=1``, a SIGKILL mid-epoch led to
+  14 optimizer iterations where 12 were due);
 * the backup is removed when training completes.
 
 Exact resume needs an input that gives the same batches in the same order on
@@ -34,8 +35,8 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
+from tfdist.strategy import introspect
 from tfdist.training import checkpoints as checkpoints_lib
-from tfdist.training import chief as chief_lib
 from tfdist.training import preemption as preemption_lib
 
 __all__ = ["BackupAndRestore"]
@@ -46,10 +47,11 @@ _SOURCE = "tfdist.BackupAndRestore"
 class BackupAndRestore(keras.callbacks.Callback):
   """Backs up training state; restores it, mid-epoch, when ``fit`` restarts.
 
-  Attributes:
-    offset: steps of the current epoch applied before this ``fit`` call
-      started (set by ``tfdist.fit``, which skips them in its input).
-    watcher: the `PreemptionWatcher` in use while training.
+  Under plain ``model.fit`` it drives itself from Keras's callback hooks.
+  ``tfdist.fit`` drives it instead, in this order: `manage`, `restore`,
+  `begin` (with the watcher of the run), `resume` before each ``fit`` call
+  or epoch that starts mid-epoch, `should_stop`/`preempt` and `due` at step
+  ends under ParameterServerStrategy, and `finished`.
   """
 
   def __init__(self, backup_dir: str, *, save_freq: str | int = "epoch",
@@ -80,8 +82,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     self._directory = backup_dir
     self._every = None if save_freq == "epoch" else save_freq
     self._delete = delete_checkpoint
-    self.offset = 0
-    self.watcher: preemption_lib.PreemptionWatcher | None = None
+    self._offset = 0  # Steps of the epoch applied before this fit call.
+    self._watcher: preemption_lib.PreemptionWatcher | None = None
     self._managed = False  # True when tfdist.fit drives restore and watching.
     self._steps: int | None = None
     self._epoch = 0
@@ -96,6 +98,22 @@ class BackupAndRestore(keras.callbacks.Callback):
     self._managed = True
     self._steps = steps_per_epoch
     self.set_model(model)
+
+  def begin(self, watcher: preemption_lib.PreemptionWatcher | None) -> None:
+    """Training starts: act on ``watcher``'s signals (``None``: none)."""
+    self._watcher = watcher
+
+  def resume(self, offset: int) -> None:
+    """The coming batches of the epoch start ``offset`` steps into it.
+
+    ``tfdist.fit`` skips those steps in its input, so Keras counts batches
+    from 0 again; the backup counts them from ``offset``.
+    """
+    self._offset = offset
+
+  def should_stop(self) -> bool:
+    """Call once per step: True once a preemption signal means stop."""
+    return self._watcher is not None and self._watcher.should_stop()
 
   def restore(self) -> tuple[int, int] | None:
     """Restores the newest readable backup; returns its ``(epoch, step)``.
@@ -123,14 +141,14 @@ class BackupAndRestore(keras.callbacks.Callback):
     if self._steps and done >= self._steps:
       epoch, done = epoch + 1, 0
     self._save(epoch, done)
-    watcher = self.watcher
+    watcher = self._watcher
     if not self._managed:
       self._stop_watching()
     watcher.exit(epoch * (self._steps or 0) + done)
 
   def finished(self) -> None:
     """Training completed: the backup is no longer needed."""
-    if self._delete and chief_lib.is_chief(self.model.distribute_strategy):
+    if self._delete and introspect.is_chief(self.model.distribute_strategy):
       shutil.rmtree(self._directory, ignore_errors=True)
 
   # --- Keras callback hooks --------------------------------------------------
@@ -153,16 +171,16 @@ class BackupAndRestore(keras.callbacks.Callback):
       self.model._initial_epoch = epoch  # pylint: disable=protected-access
       if step:
         self._skip_batches(step)
-    self.watcher = preemption_lib.PreemptionWatcher(strategy).__enter__()
+    self._watcher = preemption_lib.PreemptionWatcher(strategy).__enter__()
 
   def on_epoch_begin(self, epoch, logs=None):
     self._epoch = epoch
 
   def on_train_batch_end(self, batch, logs=None):
-    done = self.offset + batch + 1
+    done = self._offset + batch + 1
     if done <= self._skip:  # A dropped batch of the resumed epoch.
       return
-    if self.watcher is not None and self.watcher.should_stop():
+    if self.should_stop():
       self.preempt(self._epoch, done)
     if self.due(done) and (self._steps is None or done < self._steps):
       self._save(self._epoch, done)
@@ -193,17 +211,15 @@ class BackupAndRestore(keras.callbacks.Callback):
   def _save(self, epoch: int, step: int) -> None:
     checkpoint = self._ensure_checkpoint()
     self._position.assign([epoch, step])
-    number = epoch * self._steps + step if self._steps else None
-    strategy = self.model.distribute_strategy
-    with chief_lib.write_dir(self._directory, strategy) as directory:
-      manager = tf.train.CheckpointManager(checkpoint, directory,
-                                           max_to_keep=2)
-      manager.save(checkpoint_number=number)
+    checkpoints_lib.save(
+        checkpoint, self._directory, strategy=self.model.distribute_strategy,
+        number=epoch * self._steps + step if self._steps else None,
+        max_to_keep=2)
 
   def _stop_watching(self) -> None:
-    if self.watcher is not None:
-      self.watcher.__exit__(None, None, None)
-      self.watcher = None
+    if self._watcher is not None:
+      self._watcher.__exit__(None, None, None)
+      self._watcher = None
 
   def _skip_batches(self, steps: int) -> None:
     """Makes the next ``steps`` batches of plain ``fit`` draw and drop data.

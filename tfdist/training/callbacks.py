@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
+from tfdist.strategy import introspect
 from tfdist.training import chief as chief_lib
 
 __all__ = ["chief_aware", "save_model"]
@@ -53,7 +54,7 @@ def chief_aware(callbacks: Sequence[keras.callbacks.Callback] | None,
           hint="Pass backup_dir= to tfdist.fit: it resumes inside an epoch, "
                "applies no step twice and only the chief writes")
   writers = [cb for cb in callbacks if isinstance(cb, tuple(_WRITERS))]
-  if not writers or chief_lib.is_chief(strategy):
+  if not writers or introspect.is_chief(strategy):
     yield callbacks
     return
   originals = []
@@ -110,4 +111,4 @@ def save_model(model: keras.Model, path: str,
       os.replace(target, final)
     finally:
       shutil.rmtree(tmp, ignore_errors=True)
-  return path if chief_lib.is_chief(strategy) else None
+  return path if introspect.is_chief(strategy) else None

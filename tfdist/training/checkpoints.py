@@ -1,4 +1,10 @@
-"""Restoring the newest readable checkpoint, never silently none.
+"""Saving from the chief, and restoring the newest readable checkpoint.
+
+`save` is the one chief-aware save: every worker takes part (under
+MultiWorkerMirroredStrategy reading distributed variables is a collective),
+the chief writes the real directory and the others a temporary one
+(`tfdist.training.chief.write_dir`). `tfdist.BackupAndRestore` and
+`tfdist.Runner` both save through it.
 
 TensorFlow writes a checkpoint's data first and then updates the directory's
 ``checkpoint`` state file by an atomic rename, so a kill mid-save leaves the
@@ -18,8 +24,33 @@ from absl import logging
 import tensorflow as tf
 
 from tfdist.errors import CheckpointError
+from tfdist.strategy import introspect
+from tfdist.training import chief as chief_lib
 
-__all__ = ["restore_latest", "candidates"]
+__all__ = ["save", "restore_latest", "candidates"]
+
+
+def save(checkpoint: tf.train.Checkpoint, directory: str, *,
+         strategy: tf.distribute.Strategy, max_to_keep: int,
+         number: int | None = None) -> str | None:
+  """Saves ``checkpoint`` from every worker; only the chief's lands in place.
+
+  Args:
+    checkpoint: what to save.
+    directory: the checkpoint directory the chief writes.
+    strategy: the strategy training runs under; it decides who is chief.
+    max_to_keep: checkpoints kept in ``directory``.
+    number: the checkpoint's number (``ckpt-<number>``); the next one by
+      default.
+
+  Returns:
+    The saved prefix on the chief, ``None`` on other workers.
+  """
+  with chief_lib.write_dir(directory, strategy) as target:
+    manager = tf.train.CheckpointManager(checkpoint, target,
+                                         max_to_keep=max_to_keep)
+    path = manager.save(checkpoint_number=number)
+  return path if introspect.is_chief(strategy) else None
 
 
 def candidates(directory: str) -> list[str]:

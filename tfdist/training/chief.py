@@ -18,35 +18,10 @@ from typing import Iterator
 
 import tensorflow as tf
 
-__all__ = ["task_of", "is_chief", "write_dir"]
+from tfdist.strategy.introspect import is_chief
+from tfdist.strategy.introspect import task_of
 
-
-def task_of(strategy: tf.distribute.Strategy) -> tuple[str | None, int | None, dict]:
-  """``(task_type, task_id, cluster)`` of this process under ``strategy``."""
-  # ParameterServerStrategy keeps its resolver where the public property
-  # does not look (``cluster_resolver`` is None under TensorFlow 2.21).
-  resolver = (getattr(strategy, "cluster_resolver", None)
-              or getattr(strategy, "_cluster_resolver", None))
-  if resolver is None:
-    return None, None, {}
-  cluster = resolver.cluster_spec().as_dict()
-  if not cluster:
-    return None, None, {}
-  return resolver.task_type, resolver.task_id, cluster
-
-
-def is_chief(strategy: tf.distribute.Strategy) -> bool:
-  """True on the one process that writes checkpoints, logs and exports.
-
-  That is the single process, the ``chief`` task (the coordinator under
-  ParameterServerStrategy), or worker 0 when the cluster has no chief.
-  """
-  task_type, task_id, cluster = task_of(strategy)
-  if task_type in (None, "chief"):
-    return True
-  if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
-    return True  # Only the coordinator runs training code.
-  return task_type == "worker" and task_id == 0 and "chief" not in cluster
+__all__ = ["write_dir"]
 
 
 @contextlib.contextmanager

@@ -9,8 +9,8 @@ chief only, and restores the latest checkpoint when it starts.
 
 Reduction: a step returns a dict of scalars; each is **summed over replicas**
 and averaged over the steps of a loop. Return losses scaled by the global
-batch, as `tf.nn.compute_average_loss` (or `scaled_loss`) does, and the sum is
-the global mean. Keras metrics passed in ``metrics`` aggregate themselves.
+batch, as `tf.nn.compute_average_loss` (or `tfdist.scaled_loss`) does, and the
+sum is the global mean. Keras metrics passed in ``metrics`` aggregate themselves.
 
 Example:
   >>> runner = Runner(strategy=strategy, train_step=step,
@@ -28,15 +28,16 @@ from typing import Any, Callable, Mapping, Sequence
 
 import tensorflow as tf
 
+from tfdist.data.feed import DatasetFn
 from tfdist.errors import ConfigError
+from tfdist.strategy import introspect
+from tfdist.training import _input
 from tfdist.training import checkpoints as checkpoints_lib
-from tfdist.training import chief as chief_lib
 from tfdist.training import preemption as preemption_lib
+from tfdist.training.steps import StepFn
 
-__all__ = ["Runner", "RunnerOptions", "scaled_loss", "supervised_step"]
+__all__ = ["Runner", "RunnerOptions"]
 
-StepFn = Callable[[Any], Mapping[str, tf.Tensor] | None]
-DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 _SOURCE = "Runner options"
 
 
@@ -72,62 +73,6 @@ class RunnerOptions:
       if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ConfigError(field=name, value=value, source=_SOURCE,
                           expected=f"an integer >= {low}")
-
-
-def scaled_loss(per_example_loss: tf.Tensor, global_batch_size: int,
-                regularization_losses: Sequence[tf.Tensor] = ()) -> tf.Tensor:
-  """A replica's share of the global mean loss, ready for gradients.
-
-  Summing it over replicas gives the mean over the global batch.
-  """
-  replicas = tf.distribute.get_strategy().num_replicas_in_sync
-  loss = tf.nn.compute_average_loss(per_example_loss,
-                                    global_batch_size=global_batch_size)
-  if regularization_losses:
-    loss += tf.add_n(list(regularization_losses)) / replicas
-  return loss
-
-
-def supervised_step(model, optimizer, loss_fn, *, global_batch_size: int,
-                    metrics: Sequence[Any] = ()) -> StepFn:
-  """A standard per-replica step for ``(x, y)`` batches.
-
-  Args:
-    model: a built Keras model, created under the strategy's scope.
-    optimizer: a Keras optimizer created under the scope; built here if it
-      is not yet (its variables cannot be created inside a replica step).
-    loss_fn: ``loss_fn(y, y_pred)`` returning per-example losses (e.g. a Keras
-      loss with ``reduction=None``).
-    global_batch_size: the batch over all replicas.
-    metrics: Keras metrics updated with ``(y, y_pred)``.
-
-  Returns:
-    A step returning ``{"loss": ...}`` scaled for summing over replicas.
-
-  Raises:
-    ConfigError: the model has no variables yet.
-  """
-  if not optimizer.built:
-    if not model.trainable_variables:
-      raise ConfigError(
-          field="model", value=getattr(model, "name", model),
-          source="supervised_step", expected="a built model",
-          hint="Give the model a keras.Input or call model.build(shape) "
-               "under strategy.scope()")
-    with model.distribute_strategy.scope():
-      optimizer.build(model.trainable_variables)
-
-  def step(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      y_pred = model(x, training=True)
-      loss = scaled_loss(loss_fn(y, y_pred), global_batch_size, model.losses)
-    grads = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    for metric in metrics:
-      metric.update_state(y, y_pred)
-    return {"loss": loss}
-  return step
 
 
 class Runner:
@@ -185,7 +130,7 @@ class Runner:
       self._watcher = preemption_lib.PreemptionWatcher(strategy).__enter__()
     self._train_iter = self._iterator(train_data, skip_steps=self._step)
     self._writer = (tf.summary.create_file_writer(options.summary_dir)
-                    if options.summary_dir and chief_lib.is_chief(strategy)
+                    if options.summary_dir and introspect.is_chief(strategy)
                     else None)
 
   @property
@@ -285,12 +230,10 @@ class Runner:
       return None
     self._saved_step = self._step
     self._global_step.assign(self._step)
-    with chief_lib.write_dir(self._options.checkpoint_dir,
-                             self._strategy) as directory:
-      manager = tf.train.CheckpointManager(
-          self._checkpoint, directory, max_to_keep=self._options.max_to_keep)
-      path = manager.save(checkpoint_number=self._step)
-    return path if chief_lib.is_chief(self._strategy) else None
+    return checkpoints_lib.save(
+        self._checkpoint, self._options.checkpoint_dir,
+        strategy=self._strategy, max_to_keep=self._options.max_to_keep,
+        number=self._step)
 
   def _restore(self) -> None:
     latest = checkpoints_lib.restore_latest(
@@ -301,21 +244,13 @@ class Runner:
   def _iterator(self, dataset_fn: DatasetFn, skip_steps: int = 0):
     """A distributed iterator; resumes ``skip_steps`` steps into the data.
 
-    Each step takes one batch per local replica from each input pipeline,
-    so skipping that many batches puts a resumed run where it stopped.
     Under ParameterServerStrategy (at-least-once) the data starts over.
     """
-    if skip_steps and self._coordinator is None:
-      inner = dataset_fn
-
-      def dataset_fn(ctx):  # pylint: disable=function-redefined
-        per_pipeline = ctx.num_replicas_in_sync // ctx.num_input_pipelines
-        return inner(ctx).skip(skip_steps * per_pipeline)
     if self._coordinator is not None:
-      strategy = self._strategy
-      return iter(self._coordinator.create_per_worker_dataset(
-          lambda: strategy.distribute_datasets_from_function(dataset_fn)))
-    return iter(self._strategy.distribute_datasets_from_function(dataset_fn))
+      return _input.per_worker_iterator(self._coordinator, self._strategy,
+                                        dataset_fn)
+    return iter(self._strategy.distribute_datasets_from_function(
+        _input.skipping(dataset_fn, skip_steps)))
 
   def _loop_fn(self, step_fn: StepFn):
     strategy = self._strategy

@@ -1,15 +1,21 @@
-"""`tfdist info`: versions, devices, the resolved cluster, the strategy
-``auto`` would build and why, and pre-flight checks."""
+"""The report on where this process runs, which ``tfdist info`` prints.
+
+Versions, devices, the resolved cluster, the strategy ``auto`` would build
+and why, and pre-flight checks (this task's port is free; an sbatch
+allocation that is not an srun step). The cluster is resolved before
+TensorFlow loads, so a bad configuration fails fast.
+
+Example:
+  >>> print(format_report(gather()))  # doctest: +SKIP
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
-import ipaddress
 import platform
-import socket
 from typing import Any, Mapping
 
-from tfdist import localhost
+from tfdist import _net
 from tfdist.cluster import resolve as resolve_lib
 from tfdist.cluster import slurm as slurm_lib
 from tfdist.cluster.info import ClusterInfo
@@ -21,6 +27,16 @@ _PACKAGES = ("tfdist", "tensorflow", "keras", "tensorflow-datasets", "absl-py")
 
 def gather(*, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
   """Builds the report as a JSON-ready dict.
+
+  Args:
+    environ: the environment to resolve the cluster from; ``os.environ``
+      when ``None``.
+
+  Returns:
+    `ClusterInfo.to_dict` of the resolved cluster plus ``strategy``,
+    ``strategy_reason``, ``is_chief``, ``address``, ``versions``,
+    ``devices``, ``python`` and ``checks`` (each ``name``, ``ok``,
+    ``detail``).
 
   Raises:
     ConfigError: the cluster configuration is invalid.
@@ -77,8 +93,8 @@ def _checks(info: ClusterInfo, environ) -> list[dict[str, Any]]:
   checks = []
   if info.address is not None:
     host, port = info.address.rsplit(":", 1)
-    if _is_local(host.strip("[]")):
-      problem = localhost.port_problem(host.strip("[]"), int(port))
+    if _net.is_local(host.strip("[]")):
+      problem = _net.port_problem(host.strip("[]"), int(port))
       checks.append(dict(
           name="port", ok=problem is None,
           detail=(f"this task's address {info.address} is free" if problem is None
@@ -93,12 +109,3 @@ def _checks(info: ClusterInfo, environ) -> list[dict[str, Any]]:
         detail="inside a SLURM allocation but not an srun step: this runs as "
                "one local process; start tasks with srun for multi-worker"))
   return checks
-
-
-def _is_local(host: str) -> bool:
-  if host in ("localhost", socket.gethostname(), socket.getfqdn()):
-    return True
-  try:
-    return ipaddress.ip_address(host).is_loopback
-  except ValueError:
-    return False

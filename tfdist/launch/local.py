@@ -1,6 +1,6 @@
-"""`tfdist launch`: every task of a cluster as a local process.
+"""Every task of a cluster as a local process (``tfdist launch``).
 
-TensorFlow has no ``torchrun``. This starts one process per task on this
+TensorFlow has no ``torchrun``. `launch` starts one process per task on this
 machine, each with its own TF_CONFIG on free ports, prefixes each line of
 output with the task's role, forwards SIGINT and SIGTERM, and never leaves a
 process behind:
@@ -14,6 +14,15 @@ process behind:
 
 Every wait is bounded: a task that ignores SIGTERM is killed after
 ``grace_seconds``.
+
+`LaunchSpec` is a pure value, like torch's ``LaunchConfig``: building one
+checks what needs no I/O; `preflight` checks what this machine must provide
+(the program, the script, free ports) and `launch` runs it before starting
+anything.
+
+Example:
+  >>> spec = LaunchSpec(num_workers=2, command=("python", "train.py"))
+  >>> launch(spec)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -30,37 +39,41 @@ import threading
 import time
 from typing import Mapping, Sequence, TextIO
 
-from tfdist import localhost
+from tfdist import _net
 from tfdist.errors import ConfigError
 
-__all__ = ["LaunchSpec", "Launcher", "launch", "TaskFailure"]
+__all__ = ["LaunchSpec", "Launcher", "launch", "preflight", "TaskFailure"]
 
-_SOURCE = "tfdist launch arguments"
+_SOURCE = "LaunchSpec"
 _TAIL_LINES = 20
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LaunchSpec:
-  """What to launch.
+  """What to launch; building one does no I/O.
 
   Attributes:
     command: the program and its arguments, run once per task.
-    workers: number of ``worker`` tasks (at least 1).
-    ps: number of ``ps`` tasks; with ps > 0 a ``chief`` (the coordinator) is
-      always added.
+    num_workers: number of ``worker`` tasks (at least 1).
+    num_ps: number of ``ps`` tasks; with num_ps > 0 a ``chief`` (the
+      coordinator) is always added.
     chief: add a ``chief`` task.
     evaluator: add an ``evaluator`` task.
     host: the address every task binds, ``127.0.0.1`` by default.
-    port_base: first port; consecutive ports from there must be free. Free
-      ports are picked when ``None``.
-    log_dir: write each task's output to ``<log_dir>/<type>-<index>.log``.
+    port_base: first port; consecutive ports from there must be free (checked
+      by `preflight`). Free ports are picked when ``None``.
+    log_dir: also write each task's output to ``<log_dir>/<type>-<index>.log``
+      (created when launching).
     max_restarts: relaunch the cluster up to this many times after a failure.
     grace_seconds: how long a task may take to exit after SIGTERM.
     env: extra environment for every task.
+
+  Raises:
+    ConfigError: a value that cannot work, naming the field.
   """
   command: tuple[str, ...]
-  workers: int = 1
-  ps: int = 0
+  num_workers: int = 1
+  num_ps: int = 0
   chief: bool = False
   evaluator: bool = False
   host: str = "127.0.0.1"
@@ -72,39 +85,32 @@ class LaunchSpec:
 
   def __post_init__(self):
     object.__setattr__(self, "command", tuple(self.command))
-    _int_at_least("--workers", self.workers, 1,
-                  hint="Every cluster needs a worker: use --workers 1 or more")
-    _int_at_least("--ps", self.ps, 0)
-    _int_at_least("--max-restarts", self.max_restarts, 0)
+    _int_at_least("num_workers", self.num_workers, 1,
+                  hint="Every cluster needs a worker: set num_workers to 1 "
+                        "or more")
+    _int_at_least("num_ps", self.num_ps, 0)
+    _int_at_least("max_restarts", self.max_restarts, 0)
     if not self.grace_seconds > 0:
-      raise ConfigError(field="--grace-seconds", value=self.grace_seconds,
+      raise ConfigError(field="grace_seconds", value=self.grace_seconds,
                         expected="a positive number of seconds", source=_SOURCE)
     if not self.command:
-      raise ConfigError(field="command", value=[], source=_SOURCE,
-                        expected="a command after --, e.g. -- python train.py")
-    _check_command(self.command)
+      raise ConfigError(field="command", value=self.command, source=_SOURCE,
+                        expected="a program and its arguments, e.g. "
+                                 "('python', 'train.py')")
     if self.port_base is not None:
-      _int_at_least("--port-base", self.port_base, 1024)
+      _int_at_least("port_base", self.port_base, 1024)
       if self.port_base + self.num_tasks - 1 > 65535:
-        raise ConfigError(field="--port-base", value=self.port_base,
+        raise ConfigError(field="port_base", value=self.port_base,
                           source=_SOURCE,
                           expected=f"at most {65536 - self.num_tasks} for "
                                    f"{self.num_tasks} tasks")
-      taken = [p for p in range(self.port_base, self.port_base + self.num_tasks)
-               if localhost.port_problem(self.host, p)]
-      if taken:
-        raise ConfigError(
-            field="--port-base", value=self.port_base, source=_SOURCE,
-            expected=(f"{self.num_tasks} free ports from {self.port_base}; "
-                      f"port {taken[0]} on {self.host} is taken"),
-            hint="Pick another --port-base or leave it out to use free ports")
 
   @property
   def jobs(self) -> dict[str, int]:
     """Job name to task count, in start order."""
-    chief = int(self.chief or self.ps > 0)
-    return {k: v for k, v in (("chief", chief), ("worker", self.workers),
-                              ("ps", self.ps)) if v}
+    chief = int(self.chief or self.num_ps > 0)
+    return {k: v for k, v in (("chief", chief), ("worker", self.num_workers),
+                              ("ps", self.num_ps)) if v}
 
   @property
   def num_tasks(self) -> int:
@@ -112,12 +118,41 @@ class LaunchSpec:
 
   def tf_configs(self) -> list[dict]:
     """One TF_CONFIG per task: the cluster tasks, then the evaluator."""
-    configs = localhost.cluster_tf_configs(self.jobs, host=self.host,
-                                           port_base=self.port_base)
+    configs = _net.cluster_tf_configs(self.jobs, host=self.host,
+                                      port_base=self.port_base)
     if self.evaluator:
       configs.append({"cluster": configs[0]["cluster"],
                       "task": {"type": "evaluator", "index": 0}})
     return configs
+
+
+def preflight(spec: LaunchSpec) -> None:
+  """Checks what ``spec`` needs from this machine, before anything starts.
+
+  The program must be on PATH (and a Python script must exist), and with a
+  ``port_base`` the ports of every task must be free on ``host``.
+
+  Raises:
+    ConfigError: the first thing missing, naming the field.
+  """
+  program = spec.command[0]
+  if shutil.which(program) is None:
+    raise ConfigError(field="command", value=program, source=_SOURCE,
+                      expected="a program on PATH or a path to an executable")
+  if os.path.basename(program).startswith("python") and len(spec.command) > 1:
+    script = spec.command[1]
+    if not script.startswith("-") and not os.path.isfile(script):
+      raise ConfigError(field="script", value=script, source=_SOURCE,
+                        expected="an existing Python file")
+  if spec.port_base is not None:
+    ports = range(spec.port_base, spec.port_base + spec.num_tasks)
+    taken = [p for p in ports if _net.port_problem(spec.host, p)]
+    if taken:
+      raise ConfigError(
+          field="port_base", value=spec.port_base, source=_SOURCE,
+          expected=(f"{spec.num_tasks} free ports from {spec.port_base}; "
+                    f"port {taken[0]} on {spec.host} is taken"),
+          hint="Pick another port_base or leave it out to use free ports")
 
 
 class TaskFailure(Exception):
@@ -142,7 +177,11 @@ class _Task:
 
 
 class Launcher:
-  """Runs a `LaunchSpec`; `run` returns the exit code."""
+  """Runs a `LaunchSpec`; `run` returns the exit code.
+
+  Raises:
+    ConfigError: from `run`, when `preflight` fails; nothing has started.
+  """
 
   def __init__(self, spec: LaunchSpec, *, out: TextIO | None = None):
     self._spec = spec
@@ -152,6 +191,7 @@ class Launcher:
     self._signal: int | None = None
 
   def run(self) -> int:
+    preflight(self._spec)
     handlers = {s: signal.signal(s, self._on_signal)
                 for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -295,7 +335,20 @@ class Launcher:
 
 
 def launch(spec: LaunchSpec, *, out: TextIO | None = None) -> int:
-  """Runs every task of ``spec``; returns the launcher's exit code."""
+  """Runs every task of ``spec``; returns the launcher's exit code.
+
+  Args:
+    spec: what to launch.
+    out: where the tasks' prefixed output goes; ``sys.stdout`` by default.
+
+  Returns:
+    0 when the training tasks succeeded; the failed task's exit code (1 when
+    it was killed by a signal) after the last restart; ``128 + N`` when the
+    launcher itself got signal N.
+
+  Raises:
+    ConfigError: `preflight` failed; nothing has started.
+  """
   return Launcher(spec, out=out).run()
 
 
@@ -310,15 +363,3 @@ def _int_at_least(field: str, value, low: int, hint: str | None = None) -> None:
   if not isinstance(value, int) or isinstance(value, bool) or value < low:
     raise ConfigError(field=field, value=value, source=_SOURCE,
                       expected=f"an integer >= {low}", hint=hint)
-
-
-def _check_command(command: Sequence[str]) -> None:
-  program = command[0]
-  if shutil.which(program) is None:
-    raise ConfigError(field="command", value=program, source=_SOURCE,
-                      expected="a program on PATH or a path to an executable")
-  if os.path.basename(program).startswith("python") and len(command) > 1:
-    script = command[1]
-    if not script.startswith("-") and not os.path.isfile(script):
-      raise ConfigError(field="script", value=script, source=_SOURCE,
-                        expected="an existing Python file")

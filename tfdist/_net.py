@@ -1,22 +1,37 @@
-"""Processes on this machine: free ports and clean environments for children.
+"""Ports, addresses and child environments: one place for the network.
 
-The launcher, the bench and the tests start TensorFlow tasks on localhost;
-they pick ports and build child environments here, one way.
+The launcher, the bench, the start-up bound and the tests pick ports, test
+reachability, decide whether a host is this machine and build child
+environments here, one way. Nothing here imports TensorFlow or other tfdist
+modules.
 """
 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
 import os
 import socket
 from typing import Mapping
 
-__all__ = ["free_ports", "port_problem", "child_env", "cluster_tf_configs",
+__all__ = ["JOB_SECRET_VARIABLE", "job_secret", "free_ports", "port_problem", "reachable", "is_local",
+           "is_loopback", "split_address", "child_env", "cluster_tf_configs",
            "worker_tf_configs", "REPO_ROOT"]
 
 #: The directory holding the ``tfdist`` package (a checkout or site-packages).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+#: The environment variable that carries a job's shared secret to its tasks.
+#: An environment variable, not an argument, so it never shows in ``ps``.
+JOB_SECRET_VARIABLE = "TFDIST_JOB_SECRET"
+
+
+def job_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
+  """The job's shared secret from `JOB_SECRET_VARIABLE`, or ``None``."""
+  value = (os.environ if environ is None else environ).get(JOB_SECRET_VARIABLE)
+  return value.encode() if value else None
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -49,6 +64,39 @@ def port_problem(host: str, port: int) -> str | None:
         return "the port is already in use"
       return str(e)
   return None
+
+
+def split_address(address: str) -> tuple[str, int]:
+  """``host:port`` (IPv6 hosts in brackets) as ``(host, port)``, unbracketed.
+
+  Raises:
+    ValueError: no port, or a port that is not a number.
+  """
+  host, port = address.rsplit(":", 1)
+  return host.strip("[]"), int(port)
+
+
+def reachable(address: str, timeout: float = 1.0) -> bool:
+  """Whether a TCP connection to ``host:port`` opens within ``timeout`` s."""
+  try:
+    with socket.create_connection(split_address(address), timeout=timeout):
+      return True
+  except (OSError, ValueError):
+    return False
+
+
+def is_loopback(host: str) -> bool:
+  """Whether ``host`` is ``localhost`` or a loopback address."""
+  try:
+    return ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    return host == "localhost"
+
+
+def is_local(host: str) -> bool:
+  """Whether ``host`` names this machine: loopback or this host's name."""
+  return (is_loopback(host)
+          or host in (socket.gethostname(), socket.getfqdn()))
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -39,11 +39,10 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import re
 import shlex
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from tfdist.cluster.slurm import parse_roles
 from tfdist.errors import ConfigError
@@ -55,8 +54,6 @@ __all__ = [
     "render",
     "parse_time",
     "template_name",
-    "add_arguments",
-    "run_cli",
 ]
 
 _SOURCE = "SbatchSpec"
@@ -268,7 +265,7 @@ def render(spec: SbatchSpec) -> str:
       "# Submit with `sbatch FILE`; sbatch options on the command line win "
       "over the",
       "# #SBATCH lines, e.g. `sbatch --nodes=4 --time=12:00:00 FILE`.",
-      "# Written by `tfdist slurm` (tfdist.slurm_script.render); edit freely.",
+      "# Written by `tfdist slurm` (tfdist.launch.sbatch.render); edit freely.",
   ]
   lines += [f"#SBATCH {option}" for option in sbatch]
   lines += ["", "set -uo pipefail", ""]
@@ -374,69 +371,3 @@ def _run_lines(spec: SbatchSpec) -> list[str]:
       'exit "${status}"',
   ]
   return lines
-
-
-# ------------------------------------------------------------ tfdist slurm.
-
-_CLI_FIELDS = ("job_name", "nodes", "tasks_per_node", "gpus_per_node",
-               "cpus_per_task", "time", "partition", "roles",
-               "signal_seconds", "requeue")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-  """Adds the options of ``tfdist slurm`` to ``parser``."""
-  parser.allow_abbrev = False  # `--gpus 2` must not mean --gpus-per-node.
-  parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                      help="start from a cluster_configs/ template's spec")
-  parser.add_argument("--job-name", dest="job_name")
-  parser.add_argument("--nodes", type=int)
-  parser.add_argument("--tasks-per-node", dest="tasks_per_node", type=int)
-  parser.add_argument("--gpus-per-node", dest="gpus_per_node", type=int)
-  parser.add_argument("--cpus-per-task", dest="cpus_per_task", type=int)
-  parser.add_argument("--time", help="time limit, e.g. 04:00:00")
-  parser.add_argument("--partition")
-  parser.add_argument("--roles", help="PS roles in rank order, e.g. "
-                      "chief=1,ps=1,worker=2")
-  parser.add_argument("--signal-seconds", dest="signal_seconds", type=int,
-                      help="send USR1 this long before the time limit")
-  parser.add_argument("--requeue", action=argparse.BooleanOptionalAction,
-                      default=None, help="requeue after USR1 (default on)")
-  parser.add_argument("-o", "--output", default=None, metavar="FILE",
-                      help="write the script to FILE instead of stdout")
-  parser.add_argument("program", nargs=argparse.REMAINDER,
-                      metavar="-- COMMAND",
-                      help="-- then the program each task runs")
-
-
-def run_cli(args: argparse.Namespace) -> int:
-  """Runs ``tfdist slurm``: prints or writes the script; nothing on errors.
-
-  Raises:
-    ConfigError: the options make an invalid spec, or FILE cannot be written.
-  """
-  base = PRESETS[args.preset] if args.preset else SbatchSpec()
-  changes = {f: getattr(args, f) for f in _CLI_FIELDS
-             if getattr(args, f) is not None}
-  if args.program and args.program[0] != "--":
-    raise ConfigError(
-        field="arguments", value=" ".join(args.program), source="tfdist slurm",
-        expected="known options, then -- and the program, e.g. "
-                 "`tfdist slurm --nodes 2 -- python train.py`")
-  command: Sequence[str] = args.program[1:]
-  if command:
-    changes["command"] = tuple(command)
-  if args.preset is None:
-    changes["description"] = ""
-  text = render(dataclasses.replace(base, **changes))
-  if args.output is None:
-    print(text, end="")
-    return 0
-  try:
-    with open(args.output, "w") as f:
-      f.write(text)
-  except OSError as e:
-    raise ConfigError(field="--output", value=args.output,
-                      source="tfdist slurm",
-                      expected="a file that can be written",
-                      hint=e.strerror) from None
-  return 0

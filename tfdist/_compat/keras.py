@@ -19,7 +19,7 @@ The corrections are applied only to the Keras versions they were verified on
 `tfdist.make_strategy` calls `apply`, so users need not.
 
 Example:
-  >>> from tfdist.training import keras_compat
+  >>> from tfdist._compat import keras as keras_compat
   >>> keras_compat.apply()
   ('symbolic_build_reduce', 'multi_worker_scalar_mean', ...)
 """

@@ -1,0 +1,34 @@
+"""Runs of tests/scripts/fault_job.py: the reference and the check against it.
+
+The fault tests interrupt the job (signals, kills, SLURM requeues), resume it
+and check that it ended as an uninterrupted single-process run does.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl.testing import absltest
+import numpy as np
+
+import cluster_utils
+
+__all__ = ["JOB", "STEPS", "TOLERANCE", "assert_like", "reference"]
+
+JOB = "fault_job.py"
+STEPS = 18  # fault_job.py's steps in all: 3 epochs of 6, or --steps.
+TOLERANCE = 1e-5
+
+
+def reference(tmp: str, loop: str = "fit") -> dict:
+  """The JSON result of an uninterrupted single-process run of ``loop``."""
+  return cluster_utils.run_to_end(
+      JOB, args=["default", loop, os.path.join(tmp, f"reference-{loop}"),
+                 "--sleep", "0"])[0]
+
+
+def assert_like(test: absltest.TestCase, out: dict, expected: dict) -> None:
+  """``out`` applied every step once and ended with ``expected``'s weights."""
+  test.assertEqual(out["iterations"], STEPS)
+  np.testing.assert_allclose(out["weights"], expected["weights"],
+                             atol=TOLERANCE)

@@ -1,0 +1,56 @@
+"""The docs tell the truth about the tree: every file they name exists."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+from absl.testing import absltest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ["README.md", "CHANGELOG.md", "cluster_configs/README.md",
+        *sorted(os.path.relpath(p, ROOT)
+                for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+
+# A repository path: a top-level folder, then a file with an extension.
+_PATH = re.compile(
+    r"(?<![\w/.-])((?:tfdist|tests|docs|examples|cluster_configs|\.ci)"
+    r"/[\w./-]*\w\.(?:py|md|sbatch|png|cfg|toml|json))\b")
+
+
+def named_paths(text: str) -> set[str]:
+  return set(_PATH.findall(text))
+
+
+class DocsTest(absltest.TestCase):
+
+  def test_the_pattern_finds_paths(self):
+    self.assertEqual(
+        named_paths("see `tfdist/cluster/slurm.py` and docs/benchmarks.md, "
+                    "not tfdist/raw steps"),
+        {"tfdist/cluster/slurm.py", "docs/benchmarks.md"})
+
+  def test_every_named_file_exists(self):
+    missing = []
+    for doc in DOCS:
+      with open(os.path.join(ROOT, doc)) as f:
+        for path in sorted(named_paths(f.read())):
+          if not os.path.exists(os.path.join(ROOT, path)):
+            missing.append(f"{doc}: {path}")
+    self.assertEqual(missing, [])
+
+  def test_no_doc_cites_a_file_outside_the_repo(self):
+    cited = []
+    for folder in ("tfdist", "tests", "docs", "examples"):
+      for path in glob.glob(os.path.join(ROOT, folder, "**", "*.*"),
+                            recursive=True):
+        if path.endswith((".py", ".md")):
+          with open(path) as f:
+            if "UPSTREAM" + ".md" in f.read():
+              cited.append(os.path.relpath(path, ROOT))
+    self.assertEqual(cited, [])
+
+
+if __name__ == "__main__":
+  absltest.main()

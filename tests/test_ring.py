@@ -1,0 +1,590 @@
+"""The socket ring, tfdist.perf.ring: each seam alone, then `SocketRing`.
+
+The schedule is checked without sockets, by simulating whole all-reduces in
+memory from it alone; the wire format by its bytes; the connection and the
+exchange over loopback sockets; `tfdist.perf.SocketRing` by rings of threads
+in this process, quickly, for the algorithm and its failures
+(tests/test_transport.py runs it under TensorFlow on real clusters).
+"""
+
+import socket
+import struct
+import threading
+import time
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist import perf
+from tfdist.perf.ring import connection
+from tfdist.perf.ring import exchange
+from tfdist.perf.ring import schedule
+from tfdist.perf.ring import wire as wire_lib
+
+SIZES = [0, 1, 2, 3, 5, 7, 1001, (1 << 16) + 3]
+# Relative error of one rounding to the wire dtype, per hop.
+WIRE_RTOL = {"float32": 1e-6, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+BLOCK_BYTES = 4096  # Small blocks: every size above spans several.
+
+
+class LocalRendezvous:
+  """An in-process `Rendezvous` (a dict and a condition)."""
+
+  def __init__(self, on_publish=None):
+    self._values = {}
+    self._cond = threading.Condition()
+    self._on_publish = on_publish
+
+  def publish(self, key, value):
+    with self._cond:
+      self._values[key] = value
+      self._cond.notify_all()
+    if self._on_publish:
+      self._on_publish(key, value)
+
+  def lookup(self, key, timeout_s):
+    with self._cond:
+      if not self._cond.wait_for(lambda: key in self._values, timeout_s):
+        raise TimeoutError(key)
+      return self._values[key]
+
+
+def _on_each(items, fn, timeout=60):
+  """``fn(rank, item)`` on every item at once; results or exceptions."""
+  results = [None] * len(items)
+
+  def run(i):
+    try:
+      results[i] = fn(i, items[i])
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      results[i] = e
+
+  threads = [threading.Thread(target=run, args=(i,), daemon=True)
+             for i in range(len(items))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout)
+    assert not t.is_alive(), "a ring call did not return"
+  return results
+
+
+def _inputs(rank, size):
+  return np.random.default_rng([rank, size]).normal(size=size).astype(
+      np.float32)
+
+
+# The schedule.
+
+
+def _simulate(inputs, block, in_place):
+  """A whole all-reduce of ``inputs`` (one per rank) from the schedule alone.
+
+  Every step, each rank reads what it sends, block by block, before any
+  rank writes what it receives; that order is safe only because a rank's
+  send and receive spans of a step are disjoint, which is checked.
+
+  Returns:
+    Each rank's output, and each rank's output after the reduce-scatter.
+  """
+  size, length = len(inputs), inputs[0].size
+  xs = [x.copy() for x in inputs]
+  outs = xs if in_place else [np.full(length, -7, x.dtype) for x in xs]
+  owned = []
+  for phase in (schedule.reduce_scatter, schedule.all_gather):
+    steps = [phase(r, size, length) for r in range(size)]
+    for s in range(size - 1):
+      sent = []
+      for r in range(size):
+        (slo, shi), (rlo, rhi) = steps[r][s].send, steps[r][s].recv
+        assert shi <= rlo or rhi <= slo or slo == shi or rlo == rhi, (
+            r, s, steps[r][s])
+        src = xs[r] if phase is schedule.reduce_scatter and s == 0 else outs[r]
+        sent.append([src[lo:hi].copy()
+                     for lo, hi in schedule.blocks(steps[r][s].send, block)])
+      for r in range(size):
+        got = sent[(r - 1) % size]
+        spans = schedule.blocks(steps[r][s].recv, block)
+        assert [b.size for b in got] == [hi - lo for lo, hi in spans]
+        for (lo, hi), values in zip(spans, got):
+          if phase is schedule.reduce_scatter:
+            np.add(xs[r][lo:hi], values, out=outs[r][lo:hi])
+          else:
+            outs[r][lo:hi] = values
+    if phase is schedule.reduce_scatter:
+      owned = [out.copy() for out in outs]
+  return outs, owned
+
+
+class ScheduleTest(parameterized.TestCase):
+
+  @parameterized.product(size=[1, 2, 3, 4, 5],
+                         length=[0, 1, 2, 3, 4, 5, 7, 13, 1000])
+  def test_segments_cover_the_buffer_once(self, size, length):
+    segs = schedule.segments(length, size)
+    self.assertLen(segs, size)
+    self.assertEqual(segs[0][0], 0)
+    self.assertEqual(segs[-1][1], length)
+    for (_, hi), (lo, _) in zip(segs, segs[1:]):
+      self.assertEqual(hi, lo)  # Contiguous: no gap, no overlap.
+    lengths = [hi - lo for lo, hi in segs]
+    self.assertLessEqual(max(lengths) - min(lengths), 1)
+    self.assertLessEqual(max(lengths),
+                         schedule.segment_capacity(length, size))
+
+  @parameterized.product(size=[2, 3, 4, 5], length=[0, 3, 4, 11])
+  def test_what_a_rank_sends_its_right_neighbour_receives(self, size, length):
+    for phase in (schedule.reduce_scatter, schedule.all_gather):
+      steps = [phase(r, size, length) for r in range(size)]
+      for r in range(size):
+        self.assertLen(steps[r], size - 1)
+        for s in range(size - 1):
+          self.assertEqual(steps[r][s].send, steps[(r + 1) % size][s].recv)
+
+  @parameterized.parameters(2, 3, 4, 5)
+  def test_each_rank_receives_every_other_segment_once_per_phase(self, size):
+    length = 10 * size + 3
+    segs = schedule.segments(length, size)
+    for r in range(size):
+      scatter = schedule.reduce_scatter(r, size, length)
+      gather = schedule.all_gather(r, size, length)
+      owned = schedule.owned(r, size, length)
+      self.assertEqual(scatter[0].send, segs[r])  # Its own input first.
+      self.assertCountEqual([t.recv for t in scatter],
+                            [g for i, g in enumerate(segs) if i != r])
+      self.assertEqual(scatter[-1].recv, owned)  # The last sum completes it.
+      self.assertEqual(gather[0].send, owned)
+      self.assertCountEqual([t.recv for t in gather],
+                            [g for g in segs if g != owned])
+
+  @parameterized.product(
+      size=[2, 3, 4, 5],
+      length=[0, 1, 2, 3, 4, 5, 6, 7, 17, 1003],  # Uneven; below the size.
+      block=[1, 3, 1000],
+      in_place=[False, True])
+  def test_simulated_all_reduce_sums_on_every_rank(self, size, length, block,
+                                                   in_place):
+    rng = np.random.default_rng([size, length])
+    inputs = [rng.integers(-1000, 1000, length) for _ in range(size)]
+    expected = sum(inputs)
+    outs, after_scatter = _simulate(inputs, block, in_place)
+    for r in range(size):
+      np.testing.assert_array_equal(outs[r], expected)
+      lo, hi = schedule.owned(r, size, length)
+      np.testing.assert_array_equal(after_scatter[r][lo:hi], expected[lo:hi])
+
+  def test_one_rank_has_no_steps(self):
+    self.assertEqual(schedule.reduce_scatter(0, 1, 10), ())
+    self.assertEqual(schedule.all_gather(0, 1, 10), ())
+    self.assertEqual(schedule.owned(0, 1, 10), (0, 10))
+
+  @parameterized.named_parameters(
+      ("empty", (5, 5), 4, []),
+      ("one_block", (2, 5), 4, [(2, 5)]),
+      ("exact", (0, 8), 4, [(0, 4), (4, 8)]),
+      ("remainder", (3, 12), 4, [(3, 7), (7, 11), (11, 12)]),
+      ("single_elements", (0, 3), 1, [(0, 1), (1, 2), (2, 3)]),
+  )
+  def test_blocks_cut_a_span_in_order(self, span, block, expected):
+    self.assertEqual(schedule.blocks(span, block), expected)
+
+
+# The wire format.
+
+
+class WireTest(parameterized.TestCase):
+
+  def test_layout_is_fixed(self):
+    """Peers agree on bytes, not on Python objects: pin them."""
+    token = wire_lib.ring_token("job/ring-0")
+    self.assertEqual(token, wire_lib.ring_token("job/ring-0"))
+    self.assertNotEqual(token, wire_lib.ring_token("job/ring-1"))
+    self.assertEqual(wire_lib.hello(token, 2, 3),
+                     struct.pack("!4sIII", b"TFDH", token, 2, 3))
+    self.assertLen(wire_lib.hello(token, 2, 3), wire_lib.HELLO_SIZE)
+    self.assertEqual(wire_lib.header(5, 1000, "bfloat16", 7),
+                     struct.pack("!4sQQII", b"TFDC", 5, 1000, 2, 7))
+    self.assertLen(wire_lib.header(5, 1000, "bfloat16", 7),
+                   wire_lib.HEADER_SIZE)
+    self.assertEqual(wire_lib.header(0, 1, "float32", -1),
+                     wire_lib.header(0, 1, "float32", 0xFFFFFFFF))
+
+  def test_equal_headers_pass(self):
+    sent = wire_lib.header(3, 10, "float16", 9)
+    wire_lib.check_header(bytearray(sent), sent, source="left")
+
+  @parameterized.named_parameters(
+      ("call", wire_lib.header(4, 10, "float32", 0), "call #4, 10 values"),
+      ("length", wire_lib.header(3, 11, "float32", 0), "call #3, 11 values"),
+      ("wire", wire_lib.header(3, 10, "bfloat16", 0), "wire bfloat16"),
+      ("tag", wire_lib.header(3, 10, "float32", 8), "tag 8"),
+      ("unknown_wire", struct.pack("!4sQQII", b"TFDC", 3, 10, 9, 0),
+       "wire 9, tag 0"),
+  )
+  def test_different_headers_name_both_calls(self, received, theirs):
+    sent = wire_lib.header(3, 10, "float32", 0)
+    with self.assertRaises(tfdist.ConfigError) as caught:
+      wire_lib.check_header(bytearray(received), sent, source="worker:0 (h)")
+    message = str(caught.exception)
+    self.assertIn("all-reduce order", message)
+    self.assertIn(theirs, message)
+    self.assertIn("call #3, 10 values, wire float32, tag 0", message)
+    self.assertIn("worker:0 (h)", message)
+
+  @parameterized.parameters("float32", "float16", "bfloat16")
+  def test_encode_rounds_once_and_decode_widens(self, name):
+    values = _inputs(0, 1001)
+    buffer = np.empty(1001, wire_lib.WIRE_DTYPES[name])
+    view = wire_lib.encode(values, buffer)
+    self.assertEqual(view.nbytes, 1001 * wire_lib.WIRE_DTYPES[name].itemsize)
+    widened = np.empty(1001, np.float32)
+    self.assertIs(wire_lib.decode(buffer, widened), widened)
+    np.testing.assert_array_equal(
+        widened, values.astype(wire_lib.WIRE_DTYPES[name]).astype(np.float32))
+    np.testing.assert_allclose(widened, values, rtol=WIRE_RTOL[name])
+
+
+# The connection.
+
+
+def _members(rank, n, hosts=None):
+  return connection.Members(rank=rank, hosts=tuple(hosts or ["127.0.0.1"] * n),
+                            names=tuple(f"worker:{j}" for j in range(n)),
+                            source="test")
+
+
+def _join(members, rendezvous, timeout_s=20):
+  deadline = time.monotonic() + timeout_s
+  listener = connection.listen(members)
+  return connection.handshake(listener, members, rendezvous=rendezvous,
+                              key="test", deadline=deadline,
+                              timeout_s=timeout_s)
+
+
+@pytest.mark.timeout(120)
+class ConnectionTest(parameterized.TestCase):
+
+  def test_members_know_their_neighbours(self):
+    members = _members(0, 3)
+    self.assertEqual((members.size, members.left, members.right), (3, 2, 1))
+    self.assertEqual(members.me, "worker:0")
+    self.assertEqual(members.describe(2), "worker:2 (127.0.0.1)")
+    alone = _members(0, 1)
+    self.assertEqual((alone.left, alone.right), (0, 0))
+
+  @parameterized.named_parameters(("above", 2), ("negative", -1))
+  def test_rank_out_of_range_is_a_config_error(self, rank):
+    with self.assertRaisesRegex(tfdist.ConfigError, "rank.*0 to 1"):
+      _members(rank, 2)
+
+  @parameterized.parameters(2, 3)
+  def test_handshake_connects_each_rank_to_its_right_neighbour(self, n):
+    rendezvous = LocalRendezvous()
+    links = _on_each([_members(r, n) for r in range(n)],
+                     lambda r, m: _join(m, rendezvous))
+    try:
+      for r, (_, right) in enumerate(links):
+        right.sendall(bytes([r]))
+      for r, (left, _) in enumerate(links):
+        left.settimeout(5)
+        self.assertEqual(left.recv(1), bytes([(r - 1) % n]))
+    finally:
+      for pair in links:
+        for s in pair:
+          s.close()
+
+  def test_missing_neighbour_is_a_startup_timeout(self):
+    members = _members(0, 2)
+    listener = connection.listen(members)
+    start = time.monotonic()
+    with self.assertRaisesRegex(tfdist.StartupTimeoutError,
+                                r"worker:0 waited 1 s for worker:1 "
+                                r"\(127.0.0.1\) to publish its port"):
+      connection.handshake(listener, members, rendezvous=LocalRendezvous(),
+                           key="test", deadline=time.monotonic() + 1,
+                           timeout_s=1)
+    self.assertLess(time.monotonic() - start, 5)
+    self.assertEqual(listener.fileno(), -1)  # Closed.
+
+  def test_unresolvable_neighbour_is_a_config_error(self):
+    rendezvous = LocalRendezvous()
+    rendezvous.publish("test/1", "1")
+    members = _members(0, 2, hosts=["127.0.0.1", "no-such-host.invalid"])
+    with self.assertRaisesRegex(tfdist.ConfigError,
+                                "address of worker:1.*no-such-host.invalid"):
+      _join(members, rendezvous, timeout_s=5)
+
+
+# The exchange.
+
+
+def _tcp_pair():
+  """Two connected loopback TCP sockets."""
+  with socket.create_server(("127.0.0.1", 0)) as listener:
+    a = socket.create_connection(listener.getsockname(), timeout=5)
+    b, _ = listener.accept()
+  return a, b
+
+
+@pytest.mark.timeout(60)
+class ExchangeTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.sockets = []
+
+  def tearDown(self):
+    for s in self.sockets:
+      s.close()
+    super().tearDown()
+
+  def _pair(self):
+    pair = _tcp_pair()
+    self.sockets.extend(pair)
+    return pair
+
+  def test_a_ring_of_one_receives_what_it_sends_in_order(self):
+    a, b = self._pair()
+    link = exchange.Link(left=b, right=a, left_rank=0, right_rank=0,
+                         timeout_s=5)
+    payloads = [np.arange(k, dtype=np.float32) for k in (1, 3, 100_000)]
+    events = []
+
+    def send(i):
+      events.append(f"send {i}")
+      return wire_lib.as_bytes(payloads[i])
+
+    buffers = [np.zeros_like(p) for p in payloads]
+    link.exchange(
+        [lambda i=i: send(i) for i in range(3)],
+        [(wire_lib.as_bytes(buffers[0]), lambda: events.append("got 0"), 2),
+         (wire_lib.as_bytes(buffers[1]), None, -1),
+         (wire_lib.as_bytes(buffers[2]), lambda: events.append("got 2"), -1)])
+    for got, sent in zip(buffers, payloads):
+      np.testing.assert_array_equal(got, sent)
+    # Buffer 0's callback waited for send 2, though its bytes came first.
+    self.assertLess(events.index("send 2"), events.index("got 0"))
+    self.assertIn("got 2", events)
+
+  def test_closed_left_neighbour_is_lost_at_once(self):
+    right, _ = self._pair()
+    peer, left = self._pair()
+    link = exchange.Link(left=left, right=right, left_rank=1, right_rank=2,
+                         timeout_s=60)
+    peer.close()
+    start = time.monotonic()
+    with self.assertRaises(exchange.PeerLost) as caught:
+      link.exchange([], [(bytearray(4), None, -1)])
+    self.assertEqual(caught.exception.rank, 1)
+    self.assertIn("closed the connection", caught.exception.what)
+    self.assertLess(time.monotonic() - start, 5)
+
+  def test_silent_left_neighbour_times_out(self):
+    right, _ = self._pair()
+    _, left = self._pair()
+    link = exchange.Link(left=left, right=right, left_rank=1, right_rank=2,
+                         timeout_s=1)
+    start = time.monotonic()
+    with self.assertRaisesRegex(exchange.PeerLost, r"no data for 1 s"):
+      link.exchange([], [(bytearray(4), None, -1)])
+    self.assertLess(time.monotonic() - start, 4)
+
+
+# The whole ring.
+
+
+def _make_rings(n, rendezvous=None, **kwargs):
+  rendezvous = rendezvous or LocalRendezvous()
+  options = dict(connect_timeout_s=20, timeout_s=20, block_bytes=BLOCK_BYTES)
+  options.update(kwargs)
+  return [perf.SocketRing(rank=i, hosts=["127.0.0.1"] * n,
+                          names=[f"worker:{j}" for j in range(n)],
+                          rendezvous=rendezvous, key="test", **options)
+          for i in range(n)]
+
+
+@pytest.mark.timeout(120)
+class SocketRingTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.rings = []
+
+  def tearDown(self):
+    for ring in self.rings:
+      ring.close()
+    super().tearDown()
+
+  def _rings(self, n, **kwargs):
+    self.rings = _make_rings(n, **kwargs)
+    return self.rings
+
+  @parameterized.product(n=[2, 3], wire=["float32", "float16", "bfloat16"])
+  def test_sums_every_size_the_same_on_every_rank(self, n, wire):
+    rings = self._rings(n)
+    results = _on_each(rings, lambda r, ring: [
+        ring.all_reduce(_inputs(r, s), wire=wire) for s in SIZES])
+    for i, size in enumerate(SIZES):
+      expected = sum(_inputs(r, size).astype(np.float64) for r in range(n))
+      got = results[0][i]
+      self.assertEqual(got.dtype, np.float32)
+      self.assertEqual(got.shape, (size,))
+      for other in results[1:]:  # The same bits everywhere.
+        np.testing.assert_array_equal(other[i], got)
+      scale = np.max(np.abs(expected), initial=1.0)
+      np.testing.assert_allclose(got, expected, rtol=0,
+                                 atol=(n - 1) * 2 * WIRE_RTOL[wire] * scale)
+
+  def test_two_ranks_float32_is_the_float32_sum(self):
+    rings = self._rings(2)
+    results = _on_each(rings, lambda r, ring: ring.all_reduce(
+        _inputs(r, 12345).reshape(5, 2469)))
+    expected = (_inputs(0, 12345) + _inputs(1, 12345)).reshape(5, 2469)
+    for got in results:
+      np.testing.assert_array_equal(got, expected)
+
+  @parameterized.product(n=[2, 3], wire=["float32", "float16", "bfloat16"])
+  def test_sums_in_place(self, n, wire):
+    rings = self._rings(n)
+
+    def fn(r, ring):
+      separate = ring.all_reduce(_inputs(r, 20001), wire=wire)
+      data = _inputs(r, 20001)
+      same = ring.all_reduce(data, wire=wire, out=data)
+      return separate, data, same
+
+    for separate, data, same in _on_each(rings, fn):
+      self.assertIs(same, data)
+      np.testing.assert_array_equal(data, separate)
+
+  @parameterized.parameters(2, 3)
+  def test_send_receive_passes_each_buffer_to_the_right(self, n):
+    """The bench's ceiling: the ring's data movement without arithmetic."""
+    rings = self._rings(n)
+
+    def fn(r, ring):
+      out = np.zeros(10007, np.float32)
+      ring.send_receive(_inputs(r, 10007), out)
+      after = ring.all_reduce(_inputs(r, 5))  # Still in step afterwards.
+      return out, after
+
+    results = _on_each(rings, fn)
+    for r, (out, after) in enumerate(results):
+      np.testing.assert_array_equal(out, _inputs((r - 1) % n, 10007))
+      np.testing.assert_allclose(
+          after, sum(_inputs(k, 5) for k in range(n)), rtol=1e-6)
+
+  def test_bad_out_is_a_config_error(self):
+    ring, = self._rings(1)
+    with self.assertRaisesRegex(tfdist.ConfigError, "out"):
+      ring.all_reduce(np.ones(3, np.float32), out=np.ones(4, np.float32))
+
+  def test_one_rank_returns_a_copy(self):
+    ring, = self._rings(1)
+    data = np.arange(4, dtype=np.float32)
+    out = ring.all_reduce(data)
+    np.testing.assert_array_equal(out, data)
+    self.assertIsNot(out, data)
+    self.assertFalse(ring.connected)
+
+  def test_unknown_wire_lists_the_choices(self):
+    ring, = self._rings(1)
+    with self.assertRaisesRegex(tfdist.ConfigError,
+                                r"\['bfloat16', 'float16', 'float32'\]"):
+      ring.all_reduce(np.ones(3, np.float32), wire="int8")
+
+  def test_bad_rank_and_timeouts_are_config_errors(self):
+    with self.assertRaisesRegex(tfdist.ConfigError, "rank"):
+      perf.SocketRing(rank=2, hosts=["a", "b"],
+                      rendezvous=LocalRendezvous(), key="k")
+    with self.assertRaisesRegex(tfdist.ConfigError, "timeout_s"):
+      perf.SocketRing(rank=0, hosts=["a"], rendezvous=LocalRendezvous(),
+                      key="k", timeout_s=0)
+
+  def test_calls_out_of_order_fail_on_both_ranks(self):
+    rings = self._rings(2)
+    results = _on_each(rings, lambda r, ring: ring.all_reduce(
+        np.ones(10 + r, np.float32)))
+    for r, error in enumerate(results):
+      self.assertIsInstance(error, tfdist.ConfigError)
+      self.assertIn("all-reduce order", str(error))
+      self.assertIn(f"worker:{1 - r}", str(error))
+
+  def test_closed_peer_is_named_at_once(self):
+    rings = self._rings(2, timeout_s=60)
+
+    def fn(r, ring):
+      ring.connect()
+      if r == 1:
+        time.sleep(0.5)
+        ring.close()  # Instead of all-reducing: like a process that exits.
+        return None
+      start = time.monotonic()
+      try:
+        ring.all_reduce(np.ones(1 << 16, np.float32))
+      except tfdist.WorkerLostError as e:
+        return e, time.monotonic() - start
+      return None
+
+    (error, seconds), _ = _on_each(rings, fn)
+    self.assertIn("worker:0 lost worker:1 (127.0.0.1)", str(error))
+    self.assertIn("closed the connection", str(error))
+    self.assertLess(seconds, 10)  # Not the 60 s timeout: noticed at once.
+    with self.assertRaises(tfdist.WorkerLostError):  # Stays failed.
+      rings[0].all_reduce(np.ones(3, np.float32))
+
+  def test_silent_peer_times_out(self):
+    rings = self._rings(2, timeout_s=1)
+
+    def fn(r, ring):
+      ring.connect()
+      if r == 1:
+        time.sleep(4)  # Connected, but never all-reduces.
+        return None
+      start = time.monotonic()
+      try:
+        ring.all_reduce(np.ones(100, np.float32))
+      except tfdist.WorkerLostError as e:
+        return e, time.monotonic() - start
+      return None
+
+    (error, seconds), _ = _on_each(rings, fn)
+    self.assertIn("worker:1", str(error))
+    self.assertIn("no data for 1 s", str(error))
+    self.assertLess(seconds, 4)
+
+  def test_missing_peer_is_a_startup_timeout(self):
+    rings = self._rings(2, connect_timeout_s=1)
+    start = time.monotonic()
+    with self.assertRaisesRegex(tfdist.StartupTimeoutError,
+                                r"worker:1 \(127.0.0.1\) to publish its port"):
+      rings[0].connect()
+    self.assertLess(time.monotonic() - start, 5)
+    with self.assertRaises(tfdist.StartupTimeoutError):  # No second try.
+      rings[0].all_reduce(np.ones(3, np.float32))
+
+  def test_stray_connection_is_ignored(self):
+    strays = []
+
+    def on_publish(key, value):
+      if key.endswith("/0"):  # Garbage to rank 0 before its neighbour.
+        s = socket.create_connection(("127.0.0.1", int(value)), timeout=5)
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        strays.append(s)
+
+    rings = self._rings(2, rendezvous=LocalRendezvous(on_publish))
+    results = _on_each(rings, lambda r, ring: ring.all_reduce(
+        np.full(5, r + 1.0, np.float32)))
+    for s in strays:
+      s.close()
+    self.assertLen(strays, 1)
+    for got in results:
+      np.testing.assert_array_equal(got, np.full(5, 3.0))
+
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,106 @@
+"""The conventions every subcommand shares.
+
+* A flag is spelt ``--kebab-case`` (never abbreviated) and sets one field of
+  the library's config; a subcommand lists its flags once, in a `FlagTable`.
+* A command to run comes last, after ``--``, and only there.
+* A `ConfigError` raised while the config is built names the flag that set
+  the field (where the table renames it) and the subcommand's arguments as
+  its source; `tfdist.cli.main` prints any `TfdistError` as one ``tfdist: ``
+  line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+from typing import Any, Iterator, Mapping
+
+from tfdist.errors import ConfigError
+
+__all__ = ["FlagTable", "add_flags", "given", "spellings", "add_command",
+           "command", "config_errors"]
+
+#: Config field -> (flag, keyword arguments of ``add_argument``).
+FlagTable = Mapping[str, tuple[str, Mapping[str, Any]]]
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: FlagTable, *,
+              defaults: Mapping[str, Any] | None = None) -> None:
+  """Adds one flag per field; a flag left out leaves the field unset.
+
+  Args:
+    parser: the subcommand's parser.
+    flags: its flag table.
+    defaults: the config's defaults, named in the help where they say
+      something (not ``None`` or ``False``).
+  """
+  for field, (flag, options) in flags.items():
+    options = dict(options)
+    default = (defaults or {}).get(field)
+    if options.get("help") and default not in (None, False):
+      options["help"] += f" (default {default})"
+    parser.add_argument(flag, dest=field, default=argparse.SUPPRESS, **options)
+
+
+def given(args: argparse.Namespace, flags: FlagTable) -> dict[str, Any]:
+  """The fields whose flags were given: keyword arguments for the config."""
+  return {field: getattr(args, field) for field in flags
+          if hasattr(args, field)}
+
+
+def spellings(flags: FlagTable) -> dict[str, str]:
+  """Config field -> the flag that sets it."""
+  return {field: flag for field, (flag, _) in flags.items()}
+
+
+def add_command(parser: argparse.ArgumentParser, *, help_text: str) -> None:
+  """The command to run: everything after ``--``."""
+  parser.add_argument("program", nargs=argparse.REMAINDER,
+                      metavar="-- COMMAND", help=f"-- then {help_text}")
+
+
+def command(args: argparse.Namespace, *, source: str,
+            example: str) -> tuple[str, ...]:
+  """The words after ``--``; none when no command was given.
+
+  Raises:
+    ConfigError: words that are not options came without ``--`` first.
+  """
+  words = args.program
+  if words and words[0] != "--":
+    raise ConfigError(
+        field="arguments", value=" ".join(words), source=source,
+        expected=f"known options, then -- and the program, e.g. `{example}`")
+  return tuple(words[1:])
+
+
+@contextlib.contextmanager
+def config_errors(*, source: str,
+                  renamed: Mapping[str, str] | None = None) -> Iterator[None]:
+  """Re-raises a `ConfigError` in terms of the command line.
+
+  Args:
+    source: the subcommand's arguments, e.g. ``"tfdist launch arguments"``.
+    renamed: config field -> the flag that sets it, for configs whose fields
+      are not spelt like their flags; the field is renamed in the error's
+      field, expectation and hint.
+
+  Raises:
+    ConfigError: the error from the body, with ``source`` as its source.
+  """
+  renamed = dict(renamed or {})
+  try:
+    yield
+  except ConfigError as e:
+    raise ConfigError(field=renamed.get(e.field, e.field), value=e.value,
+                      expected=_respell(e.expected, renamed), source=source,
+                      hint=_respell(e.hint, renamed)) from None
+
+
+def _respell(text: str | None, renamed: Mapping[str, str]) -> str | None:
+  """``text`` with every config field in ``renamed`` written as its flag."""
+  if not text or not renamed:
+    return text
+  pattern = r"\b(" + "|".join(map(re.escape, renamed)) + r")\b"
+  return re.sub(pattern, lambda m: renamed[m.group(1)], text)

@@ -1,0 +1,49 @@
+"""``tfdist bench``: runs `tfdist.bench.run` and prints its headline table."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tfdist.cli import _args
+
+__all__ = ["add_arguments", "run"]
+
+_SOURCE = "tfdist bench arguments"
+
+# Keyword arguments of tfdist.bench.run.
+_FLAGS: _args.FlagTable = {
+    "json_path": ("--json", dict(metavar="PATH",
+                                 help="write the report here")),
+    "plot_path": ("--plot", dict(
+        metavar="PATH.png",
+        help="write throughput and bandwidth plots here")),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """Adds the flags of ``tfdist bench`` to ``parser``."""
+  parser.add_argument("--quick", action="store_true",
+                      help="the CI preset: checks the bench runs (minutes)")
+  _args.add_flags(parser, _FLAGS)
+
+
+def run(args: argparse.Namespace) -> int:
+  """Runs the bench; prints the headline table.
+
+  Raises:
+    ConfigError: a report or plot path cannot be written; checked before
+      anything is measured.
+  """
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  # Imported here, not at the top: keeps `tfdist --help` fast.
+  from tfdist.bench import report  # pylint: disable=g-import-not-at-top
+  from tfdist.bench import runner  # pylint: disable=g-import-not-at-top
+  outputs = _args.given(args, _FLAGS)
+  with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS)):
+    runner.check_outputs(**outputs)
+  found = runner.run(runner.QUICK if args.quick else runner.FULL, **outputs,
+                     log=lambda s: print(s, file=sys.stderr, flush=True))
+  print(report.format_table(found))
+  return 0

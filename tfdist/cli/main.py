@@ -1,0 +1,86 @@
+"""The ``tfdist`` command: a registry of subcommands.
+
+Each subcommand is a module of `tfdist.cli` with ``add_arguments(parser)``
+and ``run(args) -> int``; it turns arguments into the library's config and
+calls the library. Errors in what the user gave print one line
+``tfdist: ...`` on stderr and exit 2, with no traceback: argparse's own, and
+any `TfdistError` a subcommand raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from types import ModuleType
+from typing import Sequence
+
+from tfdist.cli import bench
+from tfdist.cli import info
+from tfdist.cli import launch
+from tfdist.cli import slurm
+from tfdist.errors import TfdistError
+
+__all__ = ["main", "console_main", "build_parser", "EXIT_USAGE"]
+
+EXIT_USAGE = 2
+
+# name -> (help, the subcommand's module).
+_COMMANDS: dict[str, tuple[str, ModuleType]] = {
+    "bench": ("measure overhead, scaling, all-reduce, start-up and memory "
+              "against raw TensorFlow", bench),
+    "info": ("versions, devices, the resolved cluster and the strategy auto "
+             "would build", info),
+    "launch": ("run every task of a cluster as a local process, each with "
+               "its own TF_CONFIG", launch),
+    "slurm": ("write an sbatch script that trains with srun, checkpoints on "
+              "USR1 and requeues", slurm),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+  """Prints argument errors as one ``tfdist:`` line and exits 2; flags are
+  spelt in full (``--gpus`` must not mean ``--gpus-per-node``)."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault("allow_abbrev", False)
+    super().__init__(*args, **kwargs)
+
+  def error(self, message):
+    print(f"tfdist: {self.prog.removeprefix('tfdist').strip() or 'usage'}: "
+          f"{message}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The parser of ``tfdist`` and every subcommand."""
+  parser = _Parser(prog="tfdist",
+                   description="Distributed TensorFlow training made to work.")
+  sub = parser.add_subparsers(dest="command", metavar="COMMAND",
+                              parser_class=_Parser)
+  for name, (help_text, module) in _COMMANDS.items():
+    module.add_arguments(
+        sub.add_parser(name, help=help_text, description=help_text))
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the CLI; returns the exit code.
+
+  Args:
+    argv: the arguments after ``tfdist``; ``sys.argv[1:]`` when ``None``.
+  """
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.command is None:
+    parser.print_help()
+    return EXIT_USAGE
+  try:
+    return _COMMANDS[args.command][1].run(args)
+  except TfdistError as e:
+    print(f"tfdist: {e}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def console_main() -> None:
+  """Entry point of the ``tfdist`` console script."""
+  sys.exit(main())

@@ -1,0 +1,40 @@
+"""Starting the processes of a cluster; TensorFlow-free.
+
+One module per way of starting them:
+
+| module   | how                                                             |
+|----------|-----------------------------------------------------------------|
+| `local`  | every task as a process on this machine (``tfdist launch``)     |
+| `sbatch` | an sbatch script that starts them with ``srun`` (``tfdist slurm``) |
+
+Nothing here imports `tfdist.strategy`, `tfdist.training` or TensorFlow: a
+launcher only starts programs that do.
+
+Example:
+  >>> spec = LaunchSpec(num_workers=2, command=("python", "train.py"))
+  >>> launch(spec)  # doctest: +SKIP
+"""
+
+from tfdist.launch.local import Launcher
+from tfdist.launch.local import LaunchSpec
+from tfdist.launch.local import TaskFailure
+from tfdist.launch.local import launch
+from tfdist.launch.local import preflight
+from tfdist.launch.sbatch import PRESETS
+from tfdist.launch.sbatch import SbatchSpec
+from tfdist.launch.sbatch import parse_time
+from tfdist.launch.sbatch import render
+from tfdist.launch.sbatch import template_name
+
+__all__ = [
+    "LaunchSpec",
+    "Launcher",
+    "PRESETS",
+    "SbatchSpec",
+    "TaskFailure",
+    "launch",
+    "parse_time",
+    "preflight",
+    "render",
+    "template_name",
+]

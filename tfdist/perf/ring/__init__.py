@@ -1,0 +1,23 @@
+"""tfdist's ring all-reduce over TCP sockets (the ``socket`` transport).
+
+One module per seam, each testable alone:
+
+* `schedule`: which elements each rank sends, receives and adds at each
+  step of the reduce-scatter and the all-gather (pure functions);
+* `wire`: what crosses the sockets: hellos, call headers, encoded values;
+* `connection`: the ring's members, listening and the hello exchange;
+* `exchange`: one step's blocks moved both ways over non-blocking sockets;
+* `socket_ring`: `SocketRing`, composing them.
+"""
+
+from tfdist.perf.ring.connection import Rendezvous
+from tfdist.perf.ring.socket_ring import DEFAULT_BLOCK_BYTES
+from tfdist.perf.ring.socket_ring import SocketRing
+from tfdist.perf.ring.wire import WIRE_DTYPES
+
+__all__ = [
+    "DEFAULT_BLOCK_BYTES",
+    "Rendezvous",
+    "SocketRing",
+    "WIRE_DTYPES",
+]

@@ -1,0 +1,412 @@
+"""`SocketRing`: ring all-reduce of float32 numpy buffers over TCP sockets.
+
+`SocketRing` sums one float32 buffer over ``n`` processes the way Baidu's and
+Horovod's ring all-reduce does: the buffer is cut into ``n`` segments; in
+``n - 1`` reduce-scatter steps each process sends one segment to its right
+neighbour and adds the segment received from its left one, so each ends up
+owning one fully summed segment; in ``n - 1`` all-gather steps the owned
+segments travel round the ring (`tfdist.perf.ring.schedule`). Each process
+sends and receives ``2 (n - 1) / n`` of the buffer, the least any
+all-reduce can.
+
+* **Accumulation** is float32. The wire dtype (``float32``, ``float16`` or
+  ``bfloat16``) is only what crosses the socket: a received partial sum is
+  widened before it is added. The owner of a segment rounds its sum to the
+  wire dtype once and keeps that rounded value too, so every process ends
+  with the same bits.
+* **Pipelining**: a step moves its segment in blocks of ``block_bytes`` (of
+  float32); one thread writes to the right neighbour and reads from the
+  left with non-blocking sockets (`tfdist.perf.ring.exchange`), encoding a
+  block just before it is sent and adding a block as soon as it is in, so
+  the working set stays in cache. No helper threads, no hand-offs: an
+  all-reduce of a few values takes about two round trips.
+* **In place**: ``out=data`` sums into the input (no output buffer; what
+  the TensorFlow glue does with its packed gradients).
+* **Connection** (`tfdist.perf.ring.connection`): at the first call, or on
+  `SocketRing.connect`, through a `Rendezvous`; a stray connection is
+  dropped and waited past.
+* **Ordering check**: every call starts with a header
+  (`tfdist.perf.ring.wire`) that must match the left neighbour's, so
+  processes that call in a different order fail loudly instead of adding
+  unrelated numbers.
+* **Timeouts**: connecting is bounded by ``connect_timeout_s``; during an
+  all-reduce a peer that sends nothing (or takes nothing) for ``timeout_s``
+  is declared lost. A closed connection is noticed at once. Every socket
+  call is bounded, so nothing waits forever. After a failure the ring is
+  closed and every later call raises the same error.
+
+Pure Python, numpy and ``ml_dtypes`` (for bfloat16, a TensorFlow
+dependency); no TensorFlow here (`tfdist.perf.transport` connects it to a
+strategy).
+
+Example (one process per rank; ``rendezvous`` shared, e.g. TensorFlow's
+coordination service)::
+
+  ring = SocketRing(rank=r, hosts=["10.0.0.1", "10.0.0.2"],
+                    rendezvous=rendezvous, key="job-1/ring-0")
+  total = ring.all_reduce(np.ones(1000, np.float32), wire="bfloat16")
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from tfdist.errors import ConfigError
+from tfdist.errors import WorkerLostError
+from tfdist.perf.ring import connection
+from tfdist.perf.ring import exchange
+from tfdist.perf.ring import schedule
+from tfdist.perf.ring import wire as wire_lib
+from tfdist.perf.ring.wire import WIRE_DTYPES
+from tfdist.perf.ring.wire import as_bytes
+from tfdist.perf.ring.wire import decode
+from tfdist.perf.ring.wire import encode
+
+__all__ = ["SocketRing", "DEFAULT_BLOCK_BYTES"]
+
+#: Bytes (of float32) per pipelined block: small enough to stay in L2 cache,
+#: large enough that Python's per-block cost is noise.
+DEFAULT_BLOCK_BYTES = 512 << 10
+
+
+def _shaped(out: np.ndarray, data) -> np.ndarray:
+  """``out`` in ``data``'s shape; ``out`` itself when it has it already."""
+  shape = np.shape(data)
+  return out if out.shape == shape else out.reshape(shape)
+
+
+class SocketRing:
+  """One process's place in a ring all-reduce over TCP.
+
+  Thread-safe: concurrent calls are serialized (their order must still be
+  the same on every process; the header check catches most mistakes).
+
+  Args:
+    rank: this process's position, 0 to ``len(hosts) - 1``.
+    hosts: every member's host name or address, by rank.
+    rendezvous: where listening ports are published and looked up.
+    key: a prefix unique to this ring among everything published in
+      ``rendezvous``; every member passes the same one.
+    names: how errors name each member (e.g. ``"worker:1"``); ranks if
+      omitted.
+    connect_timeout_s: bound on connecting the ring.
+    timeout_s: a peer that sends nothing (or takes nothing) for this long
+      during an all-reduce is declared lost.
+    block_bytes: float32 bytes per pipelined block.
+    source: where the hosts came from, for error messages.
+
+  Raises:
+    ConfigError: a rank out of range, or a non-positive timeout or
+      ``block_bytes``.
+  """
+
+  def __init__(self, *, rank: int, hosts: Sequence[str],
+               rendezvous: connection.Rendezvous, key: str,
+               names: Sequence[str] | None = None,
+               connect_timeout_s: float = 300.0, timeout_s: float = 300.0,
+               block_bytes: int = DEFAULT_BLOCK_BYTES,
+               source: str = "SocketRing"):
+    hosts = tuple(hosts)
+    self._members = connection.Members(
+        rank=rank, hosts=hosts, source=source,
+        names=tuple(names) if names else tuple(
+            f"rank {i}" for i in range(len(hosts))))
+    for field, value in (("connect_timeout_s", connect_timeout_s),
+                         ("timeout_s", timeout_s),
+                         ("block_bytes", block_bytes)):
+      if not value > 0:
+        raise ConfigError(field=field, value=value, source=source,
+                          expected="a positive number")
+    self._rendezvous = rendezvous
+    self._key = key
+    self._connect_timeout_s = float(connect_timeout_s)
+    self._timeout_s = float(timeout_s)
+    self._block = max(1, int(block_bytes) // 4)
+    self._source = source
+    self._header_source = (
+        f"socket transport, {self._members.describe(self._members.left)}")
+    self._lock = threading.Lock()
+    self._link: exchange.Link | None = None
+    self._failure: BaseException | None = None
+    self._calls = 0
+    self._wire_bufs: dict[str, list[np.ndarray]] = {}
+    self._scratch = np.empty(self._block, np.float32)
+
+  @property
+  def rank(self) -> int:
+    return self._members.rank
+
+  @property
+  def size(self) -> int:
+    return self._members.size
+
+  @property
+  def connected(self) -> bool:
+    return self._link is not None
+
+  # Connection.
+
+  def connect(self) -> None:
+    """Connects to both neighbours; does nothing when connected.
+
+    Once connecting or a call has failed, this and every later call raise
+    that first error again, whatever its type.
+
+    Raises:
+      StartupTimeoutError: a neighbour did not publish its port, accept or
+        connect within ``connect_timeout_s``.
+      ConfigError: a host that does not resolve.
+      WorkerLostError: the ring was closed, or lost a peer in a call.
+    """
+    with self._lock:
+      self._connect_locked()
+
+  def _connect_locked(self) -> None:
+    if self._failure is not None:
+      raise self._failure
+    if self._link is not None or self.size == 1:
+      return
+    members = self._members
+    deadline = time.monotonic() + self._connect_timeout_s
+    listener = connection.listen(members)
+    try:
+      left, right = connection.handshake(
+          listener, members, rendezvous=self._rendezvous, key=self._key,
+          deadline=deadline, timeout_s=self._connect_timeout_s)
+    except BaseException as e:
+      # The port is published under this key for good: no second try.
+      self._failure = e if isinstance(e, Exception) else WorkerLostError(
+          f"socket transport: connecting was interrupted ({e!r})")
+      raise
+    self._link = exchange.Link(left=left, right=right, left_rank=members.left,
+                               right_rank=members.right,
+                               timeout_s=self._timeout_s)
+
+  # All-reduce.
+
+  def all_reduce(self, data: np.ndarray, *, wire: str = "float32",
+                 tag: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+    """The element-wise sum of ``data`` over every process of the ring.
+
+    Every process must call with the same length, ``wire`` and ``tag``, in
+    the same order.
+
+    Args:
+      data: a float32 array (any shape; summed flat).
+      wire: the dtype sent, one of `WIRE_DTYPES`.
+      tag: a number identifying the call site, checked against the peers'.
+      out: a contiguous float32 array of ``data``'s size for the sum;
+        ``data`` itself sums in place. A new array when omitted.
+
+    Returns:
+      ``out`` (or a new float32 array), shaped as ``data``, holding the
+      same bits on every process.
+
+    Raises:
+      WorkerLostError: a peer closed its connection, failed or sent nothing
+        for ``timeout_s``; names the peer.
+      StartupTimeoutError: the ring could not connect.
+      ConfigError: an unknown ``wire``, an unusable ``out``, or a peer that
+        called with another length, wire dtype or tag (calls out of order).
+    """
+    if wire not in WIRE_DTYPES:
+      raise ConfigError(field="wire", value=wire, source=self._source,
+                        expected=f"one of {sorted(WIRE_DTYPES)}")
+    x = np.ascontiguousarray(data, dtype=np.float32).reshape(-1)
+    if out is None:
+      out = np.empty(x.size, np.float32)
+    elif (not isinstance(out, np.ndarray) or out.dtype != np.float32
+          or out.size != x.size or not out.flags.c_contiguous
+          or not out.flags.writeable):
+      raise ConfigError(field="out", value=type(out).__name__,
+                        source=self._source,
+                        expected=f"a writable contiguous float32 array of "
+                                 f"{x.size} values")
+    flat_out = out.reshape(-1)
+    if (np.may_share_memory(x, flat_out)
+        and x.ctypes.data != flat_out.ctypes.data):
+      x = x.copy()  # Overlapping but not the same: keep the input apart.
+    with self._lock:
+      if self.size == 1 and self._failure is None:
+        if flat_out.ctypes.data != x.ctypes.data:
+          np.copyto(flat_out, x)
+        return _shaped(out, data)
+      self._call_locked(
+          "all-reduce", x.size, wire, tag,
+          lambda header: self._reduce(x, flat_out, wire, header))
+      return _shaped(out, data)
+
+  def send_receive(self, data: np.ndarray, out: np.ndarray) -> None:
+    """Sends ``data`` to the right neighbour, receives the left's into ``out``.
+
+    The data movement of an all-reduce without its arithmetic, on the same
+    sockets and loop: with 2 workers an all-reduce of S bytes moves S bytes
+    each way, so an exchange of S bytes bounds how fast any all-reduce can
+    be on these sockets (`tfdist bench` reports it as the ceiling). Every
+    worker calls it in step, as `all_reduce`.
+
+    Args:
+      data: a contiguous float32 array.
+      out: a writable contiguous float32 array of the same size.
+
+    Raises:
+      WorkerLostError: a peer died or stopped.
+      StartupTimeoutError: the ring could not connect.
+    """
+    x, flat_out = data.reshape(-1), out.reshape(-1)
+
+    def move(header):
+      head_in = bytearray(wire_lib.HEADER_SIZE)
+      blocks = schedule.blocks((0, x.size), self._block)
+      self._link.exchange(
+          [lambda: header]
+          + [lambda lo=lo, hi=hi: as_bytes(x[lo:hi]) for lo, hi in blocks],
+          [(head_in, lambda: self._check_header(head_in, header), 0)]
+          + [(as_bytes(flat_out[lo:hi]), None, -1) for lo, hi in blocks])
+
+    with self._lock:
+      if self.size == 1 and self._failure is None:
+        np.copyto(flat_out, x)
+        return
+      self._call_locked("exchange", x.size, "float32", 0, move)
+
+  def _call_locked(self, what: str, length: int, wire: str, tag: int,
+                   move: Callable[[bytes], None]) -> None:
+    """One numbered call of the ring: ``move(header)`` under its failure rules.
+
+    A lost peer becomes `WorkerLostError` naming it, a mismatched header a
+    `ConfigError`; either, or an interruption, closes the ring for good.
+    """
+    if self._failure is not None:
+      raise self._failure
+    self._connect_locked()
+    call = self._calls
+    self._calls += 1
+    try:
+      move(wire_lib.header(call, length, wire, tag))
+    except exchange.PeerLost as e:
+      self._fail(WorkerLostError(
+          f"socket transport: {self._members.me} lost "
+          f"{self._members.describe(e.rank)} during {what} #{call} "
+          f"({length} float32 values): {e.what}. A peer died or stopped; "
+          "restart the cluster (tfdist launch --max-restarts K, or "
+          "SLURM's requeue)"))
+    except ConfigError as e:
+      self._fail(e)
+    except BaseException as e:  # E.g. KeyboardInterrupt: the ring is torn.
+      self._failure = WorkerLostError(
+          f"socket transport: {what} #{call} of "
+          f"{self._members.me} was interrupted ({e!r}); the ring "
+          "is out of step and closed")
+      self._close_locked()
+      raise
+
+  def _fail(self, error: BaseException):
+    self._failure = error
+    self._close_locked()
+    raise error from None
+
+  def _check_header(self, received: bytearray, mine: bytes) -> None:
+    wire_lib.check_header(received, mine, source=self._header_source)
+
+  def _wire(self, wire: str, length: int) -> list[np.ndarray]:
+    """Two wire buffers of at least ``length``, reused across calls."""
+    bufs = self._wire_bufs.get(wire)
+    if bufs is None or bufs[0].size < length:
+      bufs = [np.empty(length, WIRE_DTYPES[wire]) for _ in range(2)]
+      self._wire_bufs[wire] = bufs
+    return bufs
+
+  def _reduce(self, x: np.ndarray, out: np.ndarray, wire: str,
+              header: bytes) -> None:
+    """Sums ``x`` into ``out`` over the ring; the header goes first.
+
+    Reduce-scatter, then all-gather, by `tfdist.perf.ring.schedule`, for
+    every ring of two or more processes. A segment is never written in the
+    step that sends it, so ``out`` may be ``x``.
+    """
+    head_in = bytearray(wire_lib.HEADER_SIZE)
+    n, r, block = self.size, self.rank, self._block
+    compressed = wire != "float32"
+    send_buf, recv_buf = self._wire(wire, schedule.segment_capacity(x.size, n))
+    widened = self._scratch
+    # The peer's header is checked once ours is written, so that on a
+    # mismatch both sides learn it before either closes.
+    sends = [lambda: header]
+    recvs = [(head_in, lambda: self._check_header(head_in, header), 0)]
+    for s, step in enumerate(schedule.reduce_scatter(r, n, x.size)):
+      slo, rlo = step.send[0], step.recv[0]
+      src = x if s == 0 else out  # Then the partial sum of step s - 1.
+      for lo, hi in schedule.blocks(step.send, block):
+        if compressed:
+          sends.append(lambda lo=lo, hi=hi, slo=slo, src=src: encode(
+              src[lo:hi], send_buf[lo - slo:hi - slo]))
+        else:
+          sends.append(lambda lo=lo, hi=hi, src=src: as_bytes(src[lo:hi]))
+      for lo, hi in schedule.blocks(step.recv, block):
+        part = recv_buf[lo - rlo:hi - rlo]
+        if compressed:
+
+          def add(lo=lo, hi=hi, part=part):
+            np.add(x[lo:hi], decode(part, widened[:hi - lo]), out=out[lo:hi])
+
+        else:
+
+          def add(lo=lo, hi=hi, part=part):
+            np.add(x[lo:hi], part, out=out[lo:hi])
+
+        recvs.append((as_bytes(part), add, -1))
+      self._link.exchange(sends, recvs)
+      sends, recvs = [], []
+    for s, step in enumerate(schedule.all_gather(r, n, x.size)):
+      slo, rlo = step.send[0], step.recv[0]
+      for lo, hi in schedule.blocks(step.send, block):
+        if not compressed:
+          sends.append(lambda lo=lo, hi=hi: as_bytes(out[lo:hi]))
+        elif s == 0:  # The owned segment: round once, keep the rounding.
+
+          def own(lo=lo, hi=hi, slo=slo):
+            part = send_buf[lo - slo:hi - slo]
+            sent = encode(out[lo:hi], part)
+            decode(part, out[lo:hi])
+            return sent
+
+          sends.append(own)
+        else:  # Forward what arrived at the previous step, as it came.
+          sends.append(lambda lo=lo, hi=hi, slo=slo, buf=send_buf: as_bytes(
+              buf[lo - slo:hi - slo]))
+      for lo, hi in schedule.blocks(step.recv, block):
+        if compressed:
+          part = recv_buf[lo - rlo:hi - rlo]
+          recvs.append((as_bytes(part), lambda lo=lo, hi=hi, part=part:
+                        decode(part, out[lo:hi]), -1))
+        else:
+          recvs.append((as_bytes(out[lo:hi]), None, -1))
+      self._link.exchange(sends, recvs)
+      sends, recvs = [], []
+      if compressed:
+        send_buf, recv_buf = recv_buf, send_buf
+
+  # Shutdown.
+
+  def close(self) -> None:
+    """Closes the connections for good; later calls raise `WorkerLostError`.
+
+    Peers in the middle of an all-reduce with this process see the
+    connection close and fail at once. Idempotent.
+    """
+    with self._lock:
+      if self._failure is None:
+        self._failure = WorkerLostError(
+            f"socket transport: the ring of {self._members.me} was "
+            "closed; make a new one")
+      self._close_locked()
+
+  def _close_locked(self) -> None:
+    if self._link is not None:
+      self._link.close()
+    self._link = None

@@ -1,0 +1,74 @@
+"""Reading a running strategy: its cluster, this task, who is chief.
+
+Everything in tfdist that asks a built `tf.distribute.Strategy` where it runs
+asks here, so the chief rule (`tfdist.cluster.info.is_chief_task`) and the
+quirks of reading a strategy's cluster are written once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from tfdist.cluster.info import is_chief_task
+
+__all__ = ["task_of", "is_chief", "is_parameter_server", "num_workers",
+           "num_input_workers"]
+
+_PSS = tf.distribute.experimental.ParameterServerStrategy
+
+
+def is_parameter_server(strategy: tf.distribute.Strategy) -> bool:
+  """Whether ``strategy`` is a ParameterServerStrategy (this is its chief)."""
+  return isinstance(strategy, _PSS)
+
+
+def task_of(strategy: tf.distribute.Strategy
+            ) -> tuple[str | None, int | None, dict[str, Any]]:
+  """``(task_type, task_id, cluster)`` of this process under ``strategy``.
+
+  ``(None, None, {})`` for single-process strategies. ``cluster`` maps job
+  names to a list of addresses, or to ``{index: address}`` for sparse jobs.
+  """
+  # ParameterServerStrategy keeps its resolver where the public property
+  # does not look (``cluster_resolver`` is None under TensorFlow 2.21).
+  resolver = (getattr(strategy, "cluster_resolver", None)
+              or getattr(strategy, "_cluster_resolver", None))
+  if resolver is None:
+    return None, None, {}
+  cluster = resolver.cluster_spec().as_dict()
+  if not cluster:
+    return None, None, {}
+  return resolver.task_type, resolver.task_id, cluster
+
+
+def is_chief(strategy: tf.distribute.Strategy) -> bool:
+  """True on the one process that writes checkpoints, logs and exports.
+
+  That is the single process, the ``chief`` task (the coordinator under
+  ParameterServerStrategy, the only task that runs training code there), or
+  worker 0 when the cluster has no chief.
+  """
+  if is_parameter_server(strategy):
+    return True
+  return is_chief_task(*task_of(strategy))
+
+
+def num_workers(strategy: tf.distribute.Strategy) -> int:
+  """Chief and worker tasks of ``strategy``'s cluster; 1 for one process."""
+  _, _, cluster = task_of(strategy)
+  return max(1, len(cluster.get("chief", ())) + len(cluster.get("worker", ())))
+
+
+def num_input_workers(strategy: tf.distribute.Strategy) -> int:
+  """The input pipelines ``strategy`` reads from: one per worker host.
+
+  One for single-process strategies; the chief and worker tasks for
+  MultiWorkerMirroredStrategy; the worker tasks for ParameterServerStrategy
+  and the TPU hosts for TPUStrategy.
+  """
+  _, _, cluster = task_of(strategy)
+  if is_parameter_server(strategy):
+    return max(1, len(cluster.get("worker", ())))
+  return num_workers(strategy)
