@@ -124,7 +124,6 @@ def _train(strategy, spec: dict, cores: list[int]) -> dict:
 def _make_loop(strategy, name: str, variant: dict, spec: dict):
   """A function ``run(n)`` that trains ``n`` steps of one variant."""
   import keras  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tfdist  # pylint: disable=g-import-not-at-top
   from tfdist import perf  # pylint: disable=g-import-not-at-top
   from tfdist.bench import models  # pylint: disable=g-import-not-at-top
@@ -153,26 +152,8 @@ def _make_loop(strategy, name: str, variant: dict, spec: dict):
 
   if variant["name"] == "raw":
     iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
-
-    def step(batch):
-      x, y = batch
-      with tf.GradientTape() as tape:
-        loss = tf.nn.compute_average_loss(
-            loss_fn(y, model(x, training=True)), global_batch_size=global_batch)
-      grads = tape.gradient(loss, model.trainable_variables)
-      optimizer.apply_gradients(zip(grads, model.trainable_variables))
-      return loss
-
-    @tf.function
-    def loop(n):  # As TensorFlow's custom-loop tutorial: the loss each step.
-      total = tf.constant(0.0)
-      for _ in tf.range(n):
-        total += strategy.reduce(tf.distribute.ReduceOp.SUM,
-                                 strategy.run(step, args=(next(iterator),)),
-                                 axis=None)
-      return total / tf.cast(n, tf.float32)
-
-    return lambda n: loop(tf.constant(n))
+    return models.raw_loop(strategy, models.raw_step(
+        model, optimizer, loss_fn, global_batch_size=global_batch), iterator)
   train_step = perf.accumulating_step(
       model, optimizer, loss_fn, global_batch_size=global_batch,
       accumulation_steps=k)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-__all__ = ["ModelSpec", "MODELS", "set_threads", "synthetic_dataset"]
+__all__ = ["ModelSpec", "MODELS", "set_threads", "synthetic_dataset",
+           "raw_step", "raw_loop"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,3 +88,39 @@ def synthetic_dataset(spec: ModelSpec, batch: int, *, examples: int = 1024,
   data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(
       batch, drop_remainder=True)
   return data.prefetch(tf.data.AUTOTUNE) if autotune else data
+
+
+def raw_step(model, optimizer, loss_fn, *, global_batch_size: int):
+  """The hand-written per-replica step of TensorFlow's custom-loop tutorial.
+
+  The baseline that tfdist's own steps are measured against.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  def step(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)),
+                                        global_batch_size=global_batch_size)
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  return step
+
+
+def raw_loop(strategy, step, iterator) -> Callable[[int], "object"]:
+  """``run(n)``: ``n`` tutorial steps in one `tf.function`, the loss reduced
+  each step (as TensorFlow's custom-loop tutorial); returns the mean loss."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  @tf.function
+  def loop(n):
+    total = tf.constant(0.0)
+    for _ in tf.range(n):
+      total += strategy.reduce(tf.distribute.ReduceOp.SUM,
+                               strategy.run(step, args=(next(iterator),)),
+                               axis=None)
+    return total / tf.cast(n, tf.float32)
+
+  return lambda n: loop(tf.constant(n))

@@ -108,8 +108,8 @@ def _keras_fit(model, data) -> Callable[[int], Any]:
 
 def _overhead_cases(spec: dict, ours, raw) -> dict[str, Pair]:
   import keras  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tfdist  # pylint: disable=g-import-not-at-top
+  from tfdist.bench import models  # pylint: disable=g-import-not-at-top
   data = _data(spec)
   fit_model = _model(ours, spec)
   cases = {
@@ -129,28 +129,11 @@ def _overhead_cases(spec: dict, ours, raw) -> dict[str, Pair]:
 
   def bare(strategy):
     model = _model(strategy, spec)
-    optimizer = model.optimizer
     iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
-
-    def step(batch):
-      x, y = batch
-      with tf.GradientTape() as tape:
-        loss = tf.nn.compute_average_loss(
-            loss_fn(y, model(x, training=True)),
-            global_batch_size=spec["batch"])
-      grads = tape.gradient(loss, model.trainable_variables)
-      optimizer.apply_gradients(zip(grads, model.trainable_variables))
-      return loss
-
-    @tf.function
-    def loop(n):
-      total = tf.constant(0.0)
-      for _ in tf.range(n):
-        total += strategy.reduce(tf.distribute.ReduceOp.SUM,
-                                 strategy.run(step, args=(next(iterator),)),
-                                 axis=None)
-      return total / tf.cast(n, tf.float32)
-    return lambda n: float(loop(tf.constant(n)))
+    run = models.raw_loop(strategy, models.raw_step(
+        model, model.optimizer, loss_fn, global_batch_size=spec["batch"]),
+                          iterator)
+    return lambda n: float(run(n))
 
   model = _model(ours, spec)
   runner = tfdist.Runner(

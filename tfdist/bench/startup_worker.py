@@ -33,29 +33,27 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
-def _raw(steps: int) -> float:
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  strategy = tf.distribute.MultiWorkerMirroredStrategy()
+def _sgd_model(strategy, spec):
+  """``spec``'s model and SGD built under ``strategy``, and the loss."""
   import keras  # pylint: disable=g-import-not-at-top
-  from tfdist.bench import models  # pylint: disable=g-import-not-at-top
-  spec = models.MODELS["mlp"]
   with strategy.scope():
     model = spec.build()
     optimizer = keras.optimizers.SGD(0.01)
-  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                       reduction=None)
+  return model, optimizer, keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True, reduction=None)
+
+
+def _raw(steps: int) -> float:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  strategy = tf.distribute.MultiWorkerMirroredStrategy()
+  from tfdist.bench import models  # pylint: disable=g-import-not-at-top
+  spec = models.MODELS["mlp"]
+  model, optimizer, loss_fn = _sgd_model(strategy, spec)
   batch = 32 * strategy.num_replicas_in_sync
   iterator = iter(strategy.distribute_datasets_from_function(
       lambda ctx: models.synthetic_dataset(spec, 32, examples=256)))
 
-  def step(data):
-    x, y = data
-    with tf.GradientTape() as tape:
-      loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)),
-                                        global_batch_size=batch)
-    grads = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
+  step = models.raw_step(model, optimizer, loss_fn, global_batch_size=batch)
 
   @tf.function
   def train_step():
@@ -73,14 +71,9 @@ def _raw(steps: int) -> float:
 def _tfdist(steps: int) -> float:
   import tfdist  # pylint: disable=g-import-not-at-top
   strategy = tfdist.make_strategy()
-  import keras  # pylint: disable=g-import-not-at-top
   from tfdist.bench import models  # pylint: disable=g-import-not-at-top
   spec = models.MODELS["mlp"]
-  with strategy.scope():
-    model = spec.build()
-    optimizer = keras.optimizers.SGD(0.01)
-  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                       reduction=None)
+  model, optimizer, loss_fn = _sgd_model(strategy, spec)
   runner = tfdist.Runner(
       strategy=strategy,
       train_step=tfdist.supervised_step(
