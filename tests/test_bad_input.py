@@ -2,8 +2,13 @@
 
 Each case checks the error names the field; the CLI cases also check one
 ``tfdist: ...`` line on stderr, nothing written and no process left behind.
+`CliArgumentsTest` generates ``tfdist launch`` and ``tfdist slurm`` argument
+lists with hypothesis: each is accepted or refused as bad input, never met
+with another exception.
 """
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -13,11 +18,17 @@ from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 import tensorflow as tf
 
 import cluster_utils
 import tfdist
 from tfdist import launch
+from tfdist.cli import launch as launch_cli
+from tfdist.cli import main as cli_main
+from tfdist.cli import slurm as slurm_cli
 from tfdist.training import checkpoints
 
 PY = sys.executable
@@ -133,6 +144,30 @@ class LaunchSpecTest(parameterized.TestCase):
       ("no_command", dict(command=()), "command"),
       ("missing_program", dict(command=("no-such-program-xyz",)), "command"),
       ("missing_script", dict(command=(PY, "/no/such/script.py")), "script"),
+      ("command_with_nul", dict(command=(PY, "-c", "pass\0")), "command"),
+      ("command_word_empty", dict(command=(PY, "")), "command"),
+      ("host_empty", dict(host=""), "host"),
+      ("host_malformed", dict(host="bad..host"), "host"),
+      ("host_not_this_machine", dict(host="203.0.113.7"), "host"),
+      ("host_not_a_string", dict(host=None), "host"),
+      ("workers_more_than_ports", dict(num_workers=100000), "num_workers"),
+      ("tasks_more_than_ports", dict(num_workers=64000, num_ps=1000),
+       "num_workers"),
+      ("huge_ps", dict(num_ps=10**12), "num_ps"),
+      ("grace_infinite", dict(grace_seconds=float("inf")), "grace_seconds"),
+      ("grace_nan", dict(grace_seconds=float("nan")), "grace_seconds"),
+      ("grace_years", dict(grace_seconds=1e9), "grace_seconds"),
+      ("grace_string", dict(grace_seconds="10"), "grace_seconds"),
+      ("restart_delay_negative", dict(restart_delay_seconds=-1),
+       "restart_delay_seconds"),
+      ("restart_delay_nan", dict(restart_delay_seconds=float("nan")),
+       "restart_delay_seconds"),
+      ("log_dir_empty", dict(log_dir=""), "log_dir"),
+      ("log_dir_with_nul", dict(log_dir="logs\0"), "log_dir"),
+      ("log_dir_is_a_file", dict(log_dir=PY), "log_dir"),
+      ("env_value_not_a_string", dict(env={"A": 1}), "env"),
+      ("env_name_with_equals", dict(env={"A=B": "1"}), "env"),
+      ("env_value_with_nul", dict(env={"A": "1\0"}), "env"),
   )
   def test_spec(self, overrides, field):
     kwargs = dict(command=(PY, "-c", "pass"))
@@ -149,6 +184,23 @@ class LaunchSpecTest(parameterized.TestCase):
       with self.assertRaises(tfdist.ConfigError) as caught:
         launch.preflight(spec)
     self.assertIn(f"port {port}", str(caught.exception))
+
+  @parameterized.named_parameters(
+      ("under_proc", "/proc/nope/logs"),
+      ("under_a_file", os.path.join(PY, "logs")),
+  )
+  def test_log_dir_that_cannot_be_made_starts_nothing(self, log_dir):
+    with tempfile.TemporaryDirectory() as d:
+      marker = os.path.join(d, "started")
+      spec = launch.LaunchSpec(
+          command=(PY, "-c", f"open({marker!r}, 'w').close()"),
+          log_dir=log_dir)
+      out = io.StringIO()
+      with self.assertRaises(tfdist.ConfigError) as caught:
+        launch.launch(spec, out=out)
+      self.assertEqual(os.listdir(d), [])  # No task ran.
+    self.assertEqual(caught.exception.field, "log_dir")
+    self.assertEqual(out.getvalue(), "")
 
 
 def _example(name):
@@ -206,6 +258,32 @@ class CliTest(parameterized.TestCase):
                              "pass"], None, "--grace-seconds"),
       ("launch_negative_ps", ["launch", "--ps", "-1", "--", PY, "-c", "pass"],
        None, "--ps"),
+      ("launch_host_malformed", ["launch", "--host", "bad..host", "--", PY,
+                                 "-c", "pass"], None, "--host"),
+      ("launch_host_empty", ["launch", "--host", "", "--", PY, "-c", "pass"],
+       None, "--host"),
+      ("launch_host_not_this_machine", ["launch", "--host", "203.0.113.7",
+                                        "--", PY, "-c", "pass"], None,
+       "--host"),
+      ("launch_workers_100000", ["launch", "--workers", "100000", "--", PY,
+                                 "-c", "pass"], None, "--workers"),
+      ("launch_log_dir_in_proc", ["launch", "--log-dir", "/proc/nope", "--",
+                                  PY, "-c", "pass"], None, "--log-dir"),
+      ("launch_grace_infinite", ["launch", "--grace-seconds", "inf", "--", PY,
+                                 "-c", "pass"], None, "--grace-seconds"),
+      ("launch_restart_delay_nan", ["launch", "--restart-delay-seconds", "nan",
+                                    "--", PY, "-c", "pass"], None,
+       "--restart-delay-seconds"),
+      ("slurm_nodes_huge", ["slurm", "--nodes", "1000000000000", "--",
+                            "python", "t.py"], None, "nodes"),
+      ("slurm_cpus_per_task_huge", ["slurm", "--cpus-per-task", "70000", "--",
+                                    "python", "t.py"], None, "cpus_per_task"),
+      ("slurm_time_beyond_slurm", ["slurm", "--time", "99999999999", "--",
+                                   "python", "t.py"], None, "time"),
+      ("slurm_job_name_newline", ["slurm", "--job-name", "x\n", "--",
+                                  "python", "t.py"], None, "job_name"),
+      ("slurm_partition_newline", ["slurm", "--partition", "gpu\n", "--",
+                                   "python", "t.py"], None, "partition"),
       ("slurm_zero_nodes", ["slurm", "--nodes", "0", "--", "python", "t.py"],
        None, "nodes"),
       ("slurm_unknown_role", ["slurm", "--roles", "boss=1", "--", "python",
@@ -266,6 +344,88 @@ class CliTest(parameterized.TestCase):
     self.assertEqual(left, [])
     self.assertEqual(r.returncode, 2, r.stderr)
     self.assertRegex(r.stderr.strip(), rf"^tfdist: .*port {port}")
+
+
+_TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=12)
+_VALUES = st.one_of(
+    st.integers(-2**70, 2**70).map(str),
+    st.floats().map(repr),
+    _TEXT,
+    st.sampled_from(["", "0", "1", "2", "-1", "nan", "inf", "1e309",
+                     "bad..host", "::1", "localhost", "0.0.0.0",
+                     "203.0.113.7", "/proc/nope", "x\n", "a b", "04:00:00",
+                     "1-02", "chief=1,ps=1,worker=2", "worker=1", "--"]))
+
+
+def _argv(flags):
+  """Argument lists: flags from ``flags`` each followed by a value, then a
+  command after ``--`` (usually one that exists)."""
+  pairs = st.lists(st.tuples(st.sampled_from(flags), _VALUES), max_size=4)
+  command = st.one_of(st.just([PY, "-c", "pass"]),
+                      st.lists(_TEXT, min_size=0, max_size=3))
+  return st.tuples(pairs, command).map(
+      lambda t: [w for pair in t[0] for w in pair] + ["--", *t[1]])
+
+
+_LAUNCH_FLAGS = ["--workers", "--ps", "--chief", "--evaluator", "--host",
+                 "--port-base", "--log-dir", "--max-restarts",
+                 "--restart-delay-seconds", "--grace-seconds"]
+_SLURM_FLAGS = ["--preset", "--job-name", "--nodes", "--tasks-per-node",
+                "--gpus-per-node", "--cpus-per-task", "--time", "--partition",
+                "--roles", "--signal-seconds", "--requeue", "--no-requeue"]
+
+
+class CliArgumentsTest(absltest.TestCase):
+  """Generated ``tfdist launch`` / ``tfdist slurm`` argument lists, parsed
+  and checked in-process (nothing is started or written): each is accepted
+  or refused with a usage error or a `TfdistError`, never another error."""
+
+  def setUp(self):
+    super().setUp()
+    self._cwd = os.getcwd()
+    self._dir = tempfile.mkdtemp()
+    os.chdir(self._dir)  # Relative --log-dir values land here, if anywhere.
+
+  def tearDown(self):
+    os.chdir(self._cwd)
+    written = os.listdir(self._dir)
+    os.rmdir(self._dir)
+    self.assertEqual(written, [])  # Nothing written.
+    super().tearDown()
+
+  def _build(self, command, argv, build):
+    """``build(args)``, or None when the arguments are refused."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+      try:
+        args = cli_main.build_parser().parse_args([command, *argv])
+      except SystemExit as e:
+        self.assertEqual(e.code, 2)
+        self.assertStartsWith(err.getvalue(), "tfdist: ")
+        return None
+    try:
+      return build(args)
+    except tfdist.TfdistError as e:
+      self.assertNotIn("\n", str(e).rstrip())
+      return None
+
+  @settings(max_examples=200, deadline=None)
+  @given(_argv(_LAUNCH_FLAGS))
+  def test_launch(self, argv):
+    spec = self._build("launch", argv, launch_cli.build_spec)
+    if spec is not None:
+      self.assertBetween(spec.num_tasks, 1, 65536 - 1024)
+
+  @settings(max_examples=200, deadline=None)
+  @given(_argv(_SLURM_FLAGS))
+  def test_slurm(self, argv):
+    spec = self._build("slurm", argv, slurm_cli.build_spec)
+    if spec is not None:
+      text = launch.render(spec)
+      self.assertNotIn("\0", text)
+      for line in text.splitlines():  # No option smuggled into a value.
+        if line.startswith("#SBATCH"):
+          self.assertRegex(line, r"^#SBATCH --[a-z-]+(=[^\s]+)?$")
 
 
 class CheckpointIntegrityTest(parameterized.TestCase):

@@ -90,6 +90,22 @@ class ErrorContractTest(parameterized.TestCase):
        ["launch", sys.executable, "-c", "pass"], {}, "-- and the program"),
       ("slurm_command_without_dashes", ["slurm", "python", "t.py"], {},
        "-- and the program"),
+      ("launch_host_malformed", ["launch", "--host", "bad..host", "--",
+                                 sys.executable, "-c", "pass"], {}, "--host"),
+      ("launch_host_empty", ["launch", "--host", "", "--", sys.executable,
+                             "-c", "pass"], {}, "--host"),
+      ("launch_workers_100000", ["launch", "--workers", "100000", "--",
+                                 sys.executable, "-c", "pass"], {},
+       "--workers"),
+      ("launch_log_dir_in_proc", ["launch", "--log-dir", "/proc/nope", "--",
+                                  sys.executable, "-c", "pass"], {},
+       "--log-dir"),
+      ("slurm_nodes_huge", ["slurm", "--nodes", "1000000000000", "--",
+                            "python", "t.py"], {}, "nodes"),
+      ("slurm_job_name_newline", ["slurm", "--job-name", "x\n", "--",
+                                  "python", "t.py"], {}, "job_name"),
+      ("slurm_partition_newline", ["slurm", "--partition", "x\n", "--",
+                                   "python", "t.py"], {}, "partition"),
   )
   def test_exit_two_one_line(self, args, env, needle):
     r = _tfdist(*args, env=env)

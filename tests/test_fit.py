@@ -154,6 +154,7 @@ class FitParameterServerTest(absltest.TestCase):
     self.assertEqual(out["iterations"], STEPS)
 
 
+@pytest.mark.timeout(300)  # Before tfdist checked them, some hung forever.
 class FitBadInputTest(parameterized.TestCase):
 
   def setUp(self):
@@ -184,6 +185,22 @@ class FitBadInputTest(parameterized.TestCase):
             callbacks=[keras.callbacks.BackupAndRestore("/nonexistent")])),
       ("y_with_dataset",
        dict(x=tf.data.Dataset.from_tensors(np.ones((2, 2))), y=np.ones(2))),
+      # Counts that never end an epoch: Keras loops forever on them.
+      ("negative_steps_per_epoch", dict(x=np.ones((8, 2)), y=np.ones((8, 1)),
+                                        steps_per_epoch=-1)),
+      ("zero_steps_per_epoch", dict(x=np.ones((8, 2)), y=np.ones((8, 1)),
+                                    steps_per_epoch=0)),
+      ("negative_steps_with_backup",
+       dict(x=np.ones((8, 2)), y=np.ones((8, 1)), steps_per_epoch=-1,
+            backup_dir="/nonexistent/tfdist-never-written")),
+      ("negative_initial_epoch", dict(x=np.ones((8, 2)), y=np.ones((8, 1)),
+                                      initial_epoch=-1)),
+      ("bool_epochs", dict(x=np.ones((8, 2)), y=np.ones((8, 1)), epochs=True)),
+      # A dataset_fn that returns no dataset: one line, not a TF traceback.
+      ("dataset_fn_returns_numpy",
+       dict(x=lambda ctx: np.ones((4, 2)), steps_per_epoch=2)),
+      ("dataset_fn_returns_none", dict(x=lambda ctx: None,
+                                       steps_per_epoch=2)),
   )
   def test_config_error(self, kwargs):
     with self.assertRaises(tfdist.ConfigError) as caught:

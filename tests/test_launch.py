@@ -1,5 +1,6 @@
 """`tfdist launch` with real processes: roles, failures, signals, restarts."""
 
+import hashlib
 import json
 import os
 import re
@@ -31,6 +32,44 @@ def _launch(*args, timeout=120):
 
 def _pids(output):
   return {int(p) for p in re.findall(r"pid=(\d+)", output)}
+
+
+def _launcher(*args):
+  """The launcher as a live process of the one test harness."""
+  return cluster_utils.Tasks(commands=[LAUNCH + list(args)],
+                             envs=[cluster_utils.base_env()],
+                             cwd=cluster_utils.REPO, merge_stderr=True)
+
+
+def _wait_ready(test, launcher, n, timeout=60):
+  """The PIDs of the launcher's ``n`` tasks, once each printed "ready"; a
+  failing test SIGKILLs those still alive."""
+  cluster_utils.wait_until(
+      lambda: sum(l.endswith("] ready") for l in launcher.lines(0)) >= n,
+      timeout)
+  pids = _pids(launcher.stdout(0))
+  test.addCleanup(_kill_left, pids)
+  test.assertLen(pids, n, launcher.stdout(0))
+  return pids
+
+
+def _kill_left(pids):
+  """SIGKILLs the tasks a failing test left, by PID; those still alive."""
+  left = [pid for pid in pids if _alive(pid)]
+  for pid in left:
+    os.kill(pid, signal.SIGKILL)
+  return left
+
+
+def _local_address():
+  """A non-loopback address of this machine, or None."""
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    try:
+      s.connect(("203.0.113.1", 9))  # UDP: picks a route, sends nothing.
+    except OSError:
+      return None
+    address = s.getsockname()[0]
+  return None if _net.is_loopback(address) else address
 
 
 def _alive(pid):
@@ -132,27 +171,120 @@ class LaunchTest(parameterized.TestCase):
     for pid in pids:
       self.assertFalse(_alive(pid), f"task {pid} left behind")
 
-  def test_sigterm_is_forwarded(self):
+  @parameterized.named_parameters(
+      ("sigterm", signal.SIGTERM, signal.SIGTERM),
+      ("sigint", signal.SIGINT, signal.SIGINT),
+      # The terminal went away: the tasks are asked to save and stop.
+      ("sighup", signal.SIGHUP, signal.SIGTERM),
+  )
+  def test_signal_is_forwarded(self, sent, received):
     with tempfile.TemporaryDirectory() as d:
-      proc = subprocess.Popen(
-          LAUNCH + ["--workers", "2", "--", sys.executable, TASK, "trap", d],
-          env=cluster_utils.base_env(), stdout=subprocess.PIPE, text=True,
-          cwd=cluster_utils.REPO)
-      try:
-        ready = 0
-        deadline = time.monotonic() + 60
-        while ready < 2 and time.monotonic() < deadline:
-          line = proc.stdout.readline()
-          ready += line.rstrip().endswith("ready")
-        self.assertEqual(ready, 2)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-      finally:
-        if proc.poll() is None:
-          proc.kill()
-          proc.wait()
-      self.assertEqual(proc.returncode, 128 + signal.SIGTERM)
+      with _launcher("--workers", "2", "--", sys.executable, TASK, "trap",
+                     d) as launcher:
+        pids = _wait_ready(self, launcher, 2)
+        launcher.signal(0, sent)
+        code = launcher.wait(0, 60)
+      self.assertEqual(code, 128 + sent, launcher.stdout(0))
       self.assertEqual(sorted(os.listdir(d)), ["worker:0", "worker:1"])
+      for name in os.listdir(d):
+        with open(os.path.join(d, name)) as f:
+          self.assertEqual(int(f.read()), received)
+    self.assertEqual(_kill_left(pids), [])
+
+  def test_sigkill_of_the_launcher_kills_every_task(self):
+    """The kernel's parent-death signal: nothing can outlive the launcher."""
+    with _launcher("--workers", "2", "--", sys.executable, TASK,
+                   "stubborn") as launcher:
+      pids = _wait_ready(self, launcher, 2)
+      launcher.signal(0, signal.SIGKILL)  # The launcher's PID alone.
+      self.assertEqual(launcher.wait(0, 30), -signal.SIGKILL)
+    gone = cluster_utils.wait_until(
+        lambda: not any(_alive(pid) for pid in pids), 10)
+    left = _kill_left(pids)
+    self.assertTrue(gone, f"tasks {left} outlived the launcher")
+
+  def test_second_signal_kills_at_once(self):
+    """Tasks that ignore SIGINT are killed by a second one, not after the
+    grace period."""
+    with _launcher("--workers", "2", "--grace-seconds", "600", "--",
+                   sys.executable, TASK, "stubborn") as launcher:
+      pids = _wait_ready(self, launcher, 2)
+      launcher.signal(0, signal.SIGINT)
+      time.sleep(0.5)
+      self.assertTrue(launcher.running(0))  # Still within the grace period.
+      launcher.signal(0, signal.SIGINT)
+      self.assertEqual(launcher.wait(0, 30), 128 + signal.SIGINT)
+    self.assertEqual(_kill_left(pids), [])
+
+  @parameterized.named_parameters(("sigkill", signal.SIGKILL),
+                                  ("sigterm", signal.SIGTERM))
+  def test_task_killed_by_signal_n_exits_128_plus_n(self, signum):
+    r = _launch("--workers", "2", "--", sys.executable, TASK, "die",
+                str(int(signum)))
+    self.assertEqual(r.returncode, 128 + signum, r.stdout + r.stderr)
+    self.assertIn(f"tfdist: task worker:1 was killed by signal {signum}",
+                  r.stdout)
+    self.assertEqual(_kill_left(_pids(r.stdout)), [])
+
+  def test_failed_evaluator_fails_the_launch_without_restart(self):
+    r = _launch("--workers", "2", "--evaluator", "--max-restarts", "1",
+                "--restart-delay-seconds", "0", "--", sys.executable, TASK,
+                "evalfail")
+    self.assertEqual(r.returncode, 4, r.stdout + r.stderr)
+    self.assertIn("tfdist: task evaluator:0 exited with code 4", r.stdout)
+    self.assertNotIn("restarting", r.stdout)  # Training had finished.
+
+  def test_restarts_back_off(self):
+    r = _launch("--workers", "1", "--max-restarts", "2",
+                "--restart-delay-seconds", "0.5", "--", sys.executable, TASK,
+                "flaky", "2")
+    self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+    self.assertIn("restarting the cluster (1 of 2) in 0.5 s", r.stdout)
+    self.assertIn("restarting the cluster (2 of 2) in 1 s", r.stdout)
+    starts = [float(t) for t in
+              re.findall(r"\[worker:0\] started at ([\d.]+)", r.stdout)]
+    self.assertLen(starts, 3)
+    self.assertGreaterEqual(starts[1] - starts[0], 0.5)
+    self.assertGreaterEqual(starts[2] - starts[1], 1.0)
+
+  def test_each_launch_shares_a_fresh_secret(self):
+    digests = []
+    for _ in range(2):
+      r = _launch("--workers", "2", "--", sys.executable, TASK, "secret")
+      self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+      shared = set(re.findall(r"secret=(\w+)", r.stdout))
+      self.assertLen(shared, 1, r.stdout)  # Both tasks, one secret.
+      digests += shared
+    self.assertNotIn("none", digests)
+    self.assertNotEqual(digests[0], digests[1])
+
+  def test_secret_from_the_environment_is_kept(self):
+    r = subprocess.run(
+        LAUNCH + ["--workers", "2", "--", sys.executable, TASK, "secret"],
+        env=cluster_utils.base_env({_net.JOB_SECRET_VARIABLE: "given"}),
+        capture_output=True, text=True, timeout=120, cwd=cluster_utils.REPO)
+    self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+    digest = hashlib.sha256(b"given").hexdigest()[:16]
+    self.assertEqual(re.findall(r"secret=(\w+)", r.stdout), [digest] * 2)
+
+  def test_address_of_this_machine_is_accepted_with_a_warning(self):
+    address = _local_address()
+    if address is None:
+      self.skipTest("this machine has no non-loopback address")
+    r = _launch("--host", address, "--", sys.executable, TASK, "ok")
+    self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+    warnings = [l for l in r.stderr.splitlines() if "warning" in l]
+    self.assertLen(warnings, 1, r.stderr)
+    self.assertIn("every interface", warnings[0])
+    self.assertNotIn("warning", _launch("--", sys.executable, TASK,
+                                        "ok").stderr)
+
+  def test_tensorflow_listens_on_every_interface(self):
+    """What --host's help and docs/fault_tolerance.md say: TF_CONFIG names
+    127.0.0.1, yet TensorFlow's gRPC server listens on every interface."""
+    r = _launch("--", sys.executable, TASK, "grpc", timeout=180)
+    self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+    self.assertIn("[worker:0] bound=wildcard", r.stdout)
 
   def test_max_restarts_relaunches(self):
     r = _launch("--workers", "2", "--max-restarts", "1", "--", sys.executable,
@@ -188,6 +320,17 @@ class LaunchBadInputTest(parameterized.TestCase):
       ("port_base_too_high", ["--workers", "3", "--port-base", "65535"],
        "--port-base"),
       ("workers_not_a_number", ["--workers", "two"], "--workers"),
+      ("workers_more_than_ports", ["--workers", "100000"], "--workers"),
+      ("host_empty", ["--host", ""], "--host"),
+      ("host_malformed", ["--host", "bad..host"], "--host"),
+      ("host_not_this_machine", ["--host", "203.0.113.7"], "--host"),
+      ("log_dir_cannot_be_created", ["--log-dir", "/proc/nope"],
+       "--log-dir"),
+      ("log_dir_is_a_file", ["--log-dir", TASK], "--log-dir"),
+      ("grace_infinite", ["--grace-seconds", "inf"], "--grace-seconds"),
+      ("grace_nan", ["--grace-seconds", "nan"], "--grace-seconds"),
+      ("restart_delay_negative", ["--restart-delay-seconds", "-1"],
+       "--restart-delay-seconds"),
   )
   def test_bad_flags(self, flags, needle):
     self._assert_usage_error(flags + ["--", sys.executable, TASK, "ok"], needle)
@@ -213,8 +356,15 @@ class LaunchBadInputTest(parameterized.TestCase):
           ["--workers", "2", "--port-base", str(port), "--", sys.executable,
            TASK, "ok"], f"port {port} on 127.0.0.1 is taken")
 
-  def _assert_usage_error(self, args, needle):
-    r = _launch(*args)
+  def test_more_tasks_than_open_files(self):
+    self._assert_usage_error(
+        ["--workers", "60", "--", sys.executable, TASK, "ok"], "--workers",
+        prefix=["bash", "-c", 'ulimit -n 100 && exec "$@"', "-"])
+
+  def _assert_usage_error(self, args, needle, prefix=()):
+    r = subprocess.run([*prefix, *LAUNCH, *args], env=cluster_utils.base_env(),
+                       capture_output=True, text=True, timeout=120,
+                       cwd=cluster_utils.REPO)
     self.assertEqual(r.returncode, 2, r.stdout + r.stderr)
     lines = r.stderr.strip().splitlines()
     self.assertLen(lines, 1, r.stderr)

@@ -202,9 +202,14 @@ class WireTest(parameterized.TestCase):
     token = wire_lib.ring_token("job/ring-0")
     self.assertEqual(token, wire_lib.ring_token("job/ring-0"))
     self.assertNotEqual(token, wire_lib.ring_token("job/ring-1"))
-    self.assertEqual(wire_lib.hello(token, 2, 3),
-                     struct.pack("!4sIII", b"TFDH", token, 2, 3))
-    self.assertLen(wire_lib.hello(token, 2, 3), wire_lib.HELLO_SIZE)
+    nonce = bytes(range(16))
+    hello = wire_lib.hello(token, 2, 3, nonce=nonce, signed=True)
+    self.assertEqual(hello, struct.pack("!4sIIIB16s", b"TFDH", token, 2, 3,
+                                        1, nonce))
+    self.assertLen(hello, wire_lib.HELLO_SIZE)
+    self.assertEqual(wire_lib.parse_hello(hello),
+                     (token, 2, 3, True, nonce))
+    self.assertIsNone(wire_lib.parse_hello(b"GET / HTTP/1.0\r\n\r\n"))
     self.assertEqual(wire_lib.header(5, 1000, "bfloat16", 7),
                      struct.pack("!4sQQII", b"TFDC", 5, 1000, 2, 7))
     self.assertLen(wire_lib.header(5, 1000, "bfloat16", 7),
@@ -256,12 +261,13 @@ def _members(rank, n, hosts=None):
                             source="test")
 
 
-def _join(members, rendezvous, timeout_s=20):
+def _join(members, rendezvous, timeout_s=20, secret=None):
   deadline = time.monotonic() + timeout_s
   listener = connection.listen(members)
-  return connection.handshake(listener, members, rendezvous=rendezvous,
+  pair = connection.handshake(listener, members, rendezvous=rendezvous,
                               key="test", deadline=deadline,
-                              timeout_s=timeout_s)
+                              timeout_s=timeout_s, secret=secret)
+  return pair.left, pair.right
 
 
 @pytest.mark.timeout(120)

@@ -162,6 +162,17 @@ class RunnerInProcessTest(parameterized.TestCase):
       tfdist.Runner(strategy=strategy, train_step=lambda b: {},
                     train_data=tf.data.Dataset.range(3))
 
+  @parameterized.named_parameters(
+      ("numpy", lambda ctx: np.ones((4, 3))),
+      ("none", lambda ctx: None),
+  )
+  def test_train_data_that_returns_no_dataset(self, train_data):
+    with self.assertRaises(tfdist.ConfigError) as caught:
+      tfdist.Runner(strategy=tf.distribute.get_strategy(),
+                    train_step=lambda b: {}, train_data=train_data)
+    self.assertEqual(caught.exception.field, "train_data")
+    self.assertIn("returns a tf.data.Dataset", str(caught.exception))
+
   def test_evaluate_without_eval_step(self):
     strategy = tf.distribute.get_strategy()
     runner = tfdist.Runner(

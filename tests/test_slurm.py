@@ -299,6 +299,11 @@ class MalformedSlurmTest(parameterized.TestCase):
       ("gpus_on_node_word", {"SLURM_GPUS_ON_NODE": "two"},
        "SLURM_GPUS_ON_NODE"),
       ("step_gpus_word", {"SLURM_STEP_GPUS": "0,a"}, "SLURM_STEP_GPUS"),
+      # Past Python's limit on int() of long digit strings.
+      ("job_id_huge", {"SLURM_JOB_ID": "9" * 5000}, "SLURM_JOB_ID"),
+      ("procid_huge", {"SLURM_PROCID": "1" * 5000}, "SLURM_PROCID"),
+      ("port_base_huge", {"TFDIST_PORT_BASE": "9" * 5000},
+       "TFDIST_PORT_BASE"),
   )
   def test_bad_variable(self, overrides, field):
     env = _step_env(**overrides)
@@ -329,6 +334,7 @@ class MalformedSlurmTest(parameterized.TestCase):
       ("not_int", {"worker": 2.0}, None, "roles['worker']"),
       ("bool", {"worker": True, "ps": True}, None, "roles['worker']"),
       ("two_chiefs", {"chief": 2}, None, "roles['chief']"),
+      ("two_evaluators", {"evaluator": 2}, None, "roles['evaluator']"),
       ("not_mapping", [("worker", 2)], None, "roles"),
       ("port_base_zero", None, 0, "port_base"),
       ("port_base_too_big", None, 70000, "port_base"),

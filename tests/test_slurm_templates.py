@@ -114,6 +114,14 @@ class SbatchSpecTest(parameterized.TestCase):
       ("roles_two_chiefs", {"nodes": 2, "roles": "chief=2"}, "roles"),
       ("roles_repeated", {"nodes": 2, "roles": "worker=1,worker=1"}, "roles"),
       ("requeue_not_bool", {"requeue": "yes"}, "requeue"),
+      ("nodes_beyond_slurm", {"nodes": 10**12}, "nodes"),
+      ("cpus_beyond_slurm", {"cpus_per_task": 70000}, "cpus_per_task"),
+      ("tasks_beyond_slurm", {"tasks_per_node": 65533, "nodes": 2**31},
+       "tasks_per_node"),
+      ("time_beyond_slurm", {"time": "99999999999"}, "time"),
+      ("name_trailing_newline", {"job_name": "x\n"}, "job_name"),
+      ("partition_trailing_newline", {"partition": "gpu\n"}, "partition"),
+      ("command_with_nul", {"command": ("python", "t.py\0")}, "command"),
   )
   def test_invalid(self, changes, field):
     with self.assertRaises(ConfigError) as e:
@@ -146,6 +154,28 @@ class SbatchSpecTest(parameterized.TestCase):
     self.assertNotIn("#SBATCH --requeue", text)
     self.assertNotIn("--gpus-per-node", text)
     self.assertIn("  requeue=0\n", text)
+
+  @parameterized.named_parameters(
+      ("fresh", {}, None), ("kept_from_submit", {"TFDIST_JOB_SECRET": "mine"},
+                            "mine"))
+  def test_secret_is_exported_before_srun(self, env, kept):
+    """The export line, run by bash: 64 hex digits, new each run."""
+    text = launch.render(launch.SbatchSpec())
+    lines = text.splitlines()
+    export, = [l for l in lines if l.startswith("export TFDIST_JOB_SECRET=")]
+    srun = next(i for i, l in enumerate(lines) if l.startswith("srun "))
+    self.assertLess(lines.index(export), srun)
+    self.assertNotIn("TFDIST_JOB_SECRET", lines[srun])  # Not in argv.
+    script = f"set -uo pipefail\n{export}\nprintf %s \"$TFDIST_JOB_SECRET\""
+    base = {k: v for k, v in os.environ.items() if k != "TFDIST_JOB_SECRET"}
+    secrets = [subprocess.run(["bash", "-c", script], env={**base, **env},
+                              capture_output=True, text=True, timeout=30,
+                              check=True).stdout for _ in range(2)]
+    if kept:
+      self.assertEqual(secrets, [kept, kept])
+    else:
+      self.assertRegex(secrets[0], r"^[0-9a-f]{64}$")
+      self.assertNotEqual(secrets[0], secrets[1])
 
   def test_spec_is_frozen(self):
     with self.assertRaises(dataclasses.FrozenInstanceError):

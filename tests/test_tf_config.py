@@ -11,6 +11,8 @@ import types
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import hypothesis
+from hypothesis import strategies as st
 
 from tfdist import ClusterInfo
 from tfdist import ConfigError
@@ -32,6 +34,13 @@ def _config(cluster=None, task=None, **extra):
             "task": {"type": "worker", "index": 0} if task is None else task}
   config.update(extra)
   return config
+
+
+class _Unprintable(dict):
+  """A config holding an int too long for repr(); it prints short itself."""
+
+  def __repr__(self):
+    return "<a config with an integer of 5001 digits>"
 
 
 def _without(key, **kwargs):
@@ -252,6 +261,17 @@ _MALFORMED = (
      "TF_CONFIG environment", "['cloud']"),
     ("session_master_not_string", _config(session_master=1),
      "TF_CONFIG session_master", "1"),
+    # Past Python's own limits: a ConfigError, not a ValueError or
+    # RecursionError from the JSON decoder or from printing the value.
+    ("index_huge_int_text",
+     '{"cluster": {"worker": ["w:1"]}, "task": {"type": "worker", "index": '
+     + "9" * 5000 + "}}", "TF_CONFIG", "'{\"cluster\""),
+    ("nested_100000_deep", "[" * 100_000, "TF_CONFIG", "'[[[["),
+    ("index_huge_int", _Unprintable(_config(task=_worker(10 ** 5000))),
+     "TF_CONFIG task.index", "int too large to print"),
+    ("dense_job_huge_index",
+     _Unprintable(_config({"worker": {10 ** 5000: "w:1"}})),
+     "TF_CONFIG cluster.worker", "dict too large to print"),
 )
 
 
@@ -366,6 +386,73 @@ class ParseMalformedTest(parameterized.TestCase):
     with self.assertRaisesRegex(ConfigError, r"already used by cluster\.chief"
                                 r"\[0\]"):
       tf_config.parse_tf_config(_config({"chief": ["h:1"], "worker": ["h:1"]}))
+
+
+_JOBS = st.sampled_from(["chief", "worker", "ps", "evaluator", "boss", ""])
+_HUGE = st.integers(4400, 6000).map(lambda n: 10 ** n)
+_SCALAR = st.one_of(st.none(), st.booleans(), st.integers(), _HUGE,
+                    st.floats(), st.text(max_size=12))
+_ADDRESS = st.one_of(
+    st.from_regex(r"\[?[a-zA-Z0-9.:_-]{0,12}\]?:[0-9]{0,6}", fullmatch=True),
+    _SCALAR)
+_ANY = st.recursive(_SCALAR, lambda inner: st.one_of(
+    st.lists(inner, max_size=3),
+    st.dictionaries(st.text(max_size=6), inner, max_size=3)), max_leaves=8)
+_JOB = st.one_of(
+    st.lists(_ADDRESS, max_size=4),
+    st.dictionaries(st.one_of(st.integers(-1, 4), st.integers(-1, 4).map(str),
+                              _HUGE), _ADDRESS, max_size=4),
+    _ANY)
+_TASK = st.one_of(st.fixed_dictionaries(
+    {"type": st.one_of(_JOBS, _ANY),
+     "index": st.one_of(st.integers(-2, 4), st.text("0123456789 -", max_size=5),
+                        _ANY)},
+    optional={"extra": _ANY}), _ANY)
+#: TF_CONFIG-shaped documents: right keys, values of any type or size.
+_DOCUMENTS = st.fixed_dictionaries(
+    {"cluster": st.one_of(st.dictionaries(_JOBS, _JOB, max_size=4), _ANY),
+     "task": _TASK},
+    optional={"rpc_layer": _ANY, "environment": _ANY, "bogus": _ANY})
+
+
+def _text(document) -> str:
+  try:
+    return json.dumps(document)
+  except ValueError:  # An integer too long to print: write its digits.
+    return '{"task": {"index": ' + "9" * 5000 + "}}"
+
+
+#: TF_CONFIG texts: documents as JSON, cut short, nested deep, or any text.
+_TEXTS = st.one_of(
+    _DOCUMENTS.map(_text),
+    st.tuples(_DOCUMENTS.map(_text), st.integers(0, 200)).map(
+        lambda t: t[0][:t[1]]),
+    st.integers(900, 200_000).map(lambda n: "[" * n),
+    st.integers(900, 50_000).map(lambda n: '{"cluster": ' * n),
+    st.text(max_size=40))
+
+
+class ParseGeneratedTest(absltest.TestCase):
+  """Whatever TF_CONFIG holds: a ClusterInfo or a ConfigError, never else."""
+
+  def _check(self, config):
+    try:
+      info = tf_config.parse_tf_config(config, source=_SOURCE)
+    except ConfigError as e:
+      self.assertStartsWith(str(e), "TF_CONFIG")
+      self.assertIn(f"({_SOURCE})", str(e))
+    else:
+      self.assertIsInstance(info, ClusterInfo)
+
+  @hypothesis.settings(max_examples=300, deadline=None)
+  @hypothesis.given(_DOCUMENTS)
+  def test_documents(self, document):
+    self._check(document)
+
+  @hypothesis.settings(max_examples=300, deadline=None)
+  @hypothesis.given(_TEXTS)
+  def test_texts(self, text):
+    self._check(text)
 
 
 class FromEnvironTest(parameterized.TestCase):

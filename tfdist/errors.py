@@ -8,11 +8,13 @@ expected and where the value came from, so its message says how to fix it.
 from __future__ import annotations
 
 import signal
-from typing import Any
+import types
+from typing import Any, Mapping
 
 __all__ = ["TfdistError", "ConfigError", "TpuUnavailableError",
            "StartupTimeoutError", "PreemptedError", "WorkerLostError",
-           "CheckpointError", "PREEMPTED_EXIT_CODE", "PREEMPTION_SIGNALS"]
+           "CheckpointError", "PREEMPTED_EXIT_CODE", "PREEMPTION_SIGNALS",
+           "INTERRUPTED_EXIT_CODE", "STOP_SIGNALS", "exit_code_for"]
 
 # The process contract: these signals in, this exit code out.
 
@@ -24,6 +26,25 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 #: The exit code of a task that saved a checkpoint on SIGTERM or SIGUSR1 and
 #: stopped (TensorFlow's PreemptionCheckpointHandler uses the same code).
 PREEMPTED_EXIT_CODE = 42
+
+#: The exit code of a task stopped by SIGINT (Ctrl-C): 128 + SIGINT, as a
+#: shell reports a process that SIGINT ended.
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
+
+#: Every signal that stops training, to the exit code it ends the process
+#: with: the preemption signals ask to be restarted (42), SIGINT does not.
+STOP_SIGNALS: Mapping[int, int] = types.MappingProxyType({
+    **{signum: PREEMPTED_EXIT_CODE for signum in PREEMPTION_SIGNALS},
+    signal.SIGINT: INTERRUPTED_EXIT_CODE,
+})
+
+
+def exit_code_for(signal_name: str) -> int:
+  """The exit code for a stop signal's name; a peer's signal: preempted."""
+  try:
+    return STOP_SIGNALS.get(signal.Signals[signal_name], PREEMPTED_EXIT_CODE)
+  except KeyError:
+    return PREEMPTED_EXIT_CODE
 
 
 _MISSING = object()
@@ -85,35 +106,46 @@ class StartupTimeoutError(TfdistError, TimeoutError):
 
 
 class PreemptedError(TfdistError, SystemExit):
-  """Training saved a checkpoint on a preemption signal and stopped.
+  """Training stopped on a stop signal (`STOP_SIGNALS`), saving what it could.
 
-  It is also a `SystemExit` with code `PREEMPTED_EXIT_CODE`: left uncaught it
-  ends the program with that code and no traceback, so a scheduler (SLURM's
-  requeue, ``tfdist launch --max-restarts``) restarts it and training resumes
-  at ``step``.
+  It is also a `SystemExit` with the signal's code: `PREEMPTED_EXIT_CODE`
+  (42) for SIGTERM and SIGUSR1, `INTERRUPTED_EXIT_CODE` (130) for SIGINT.
+  Left uncaught it ends the program with that code and no traceback, so a
+  scheduler (SLURM's requeue, ``tfdist launch --max-restarts``) restarts a
+  preempted run and training resumes at ``step``.
 
   Attributes:
-    step: the step every worker saved at (the global step, counted from 0).
+    step: the step every worker saved at (the global step, counted from 0),
+      or ``None`` when nothing was saved (the signal came during start-up or
+      restore, or after training's last agreed step).
     signal_name: the signal that asked for it, e.g. ``"SIGTERM"``.
+    where: with ``step=None``, when the signal came, in words.
   """
 
-  def __init__(self, *, step: int, signal_name: str):
+  def __init__(self, *, step: int | None, signal_name: str,
+               code: int | None = None, where: str = "during start-up"):
     self.step = step
     self.signal_name = signal_name
-    SystemExit.__init__(self, PREEMPTED_EXIT_CODE)
-    self.args = (f"preempted by {signal_name}: checkpoint saved at step "
-                 f"{step}; exiting with code {PREEMPTED_EXIT_CODE} to be "
-                 "restarted",)
+    self.where = where
+    code = exit_code_for(signal_name) if code is None else code
+    SystemExit.__init__(self, code)
+    saved = (f"checkpoint saved at step {step}" if step is not None
+             else f"nothing saved ({where})")
+    self.args = (f"stopped by {signal_name}: {saved}; exiting with code "
+                 f"{code}" + (" to be restarted" if code ==
+                              PREEMPTED_EXIT_CODE else ""),)
 
   def __str__(self):
     return self.args[0]
 
   def __reduce__(self):
-    return (_rebuild_preempted, (self.step, self.signal_name))
+    return (_rebuild_preempted,
+            (self.step, self.signal_name, self.code, self.where))
 
 
-def _rebuild_preempted(step, signal_name):
-  return PreemptedError(step=step, signal_name=signal_name)
+def _rebuild_preempted(step, signal_name, code=None, where="during start-up"):
+  return PreemptedError(step=step, signal_name=signal_name, code=code,
+                        where=where)
 
 
 class WorkerLostError(TfdistError, RuntimeError):
@@ -133,5 +165,8 @@ class CheckpointError(TfdistError, RuntimeError):
 
 
 def _short(value: Any, limit: int = 200) -> str:
-  text = repr(value)
+  try:
+    text = repr(value)
+  except (ValueError, RecursionError):  # An int past Python's digit limit
+    text = f"{type(value).__name__} too large to print"  # or deep nesting.
   return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -1,12 +1,15 @@
 """A slow deterministic training job for fault tests; prints JSON at the end.
 
 Usage: fault_job.py STRATEGY {fit,keras,runner} DIR [--sleep S] [--steps N]
+                    [--pause S]
 
 ``fit`` trains with tfdist.fit (3 epochs of 6 steps, backup_dir=DIR, a backup
 every 2 steps); ``keras`` the same with plain ``model.fit`` and
 ``tfdist.BackupAndRestore(DIR, save_freq=2)``; ``runner`` with tfdist.Runner (N steps, checkpoints in DIR
 every 3 steps). Each step prints ``step K`` (K counted over restarts) and
 sleeps S seconds, so a test can signal or kill a task mid-training.
+``--pause S`` prints ``paused`` once the model is built and sleeps S seconds
+before training starts: the window of start-up and restore.
 """
 
 import argparse
@@ -25,6 +28,7 @@ parser.add_argument("--sleep", type=float, default=0.3)
 parser.add_argument("--steps", type=int, default=18)
 parser.add_argument("--timeout", type=float, default=None)
 parser.add_argument("--startup-timeout", type=float, default=None)
+parser.add_argument("--pause", type=float, default=0)
 args = parser.parse_args()
 
 options = {"timeout_seconds": args.timeout} if args.timeout else {}
@@ -42,6 +46,10 @@ if args.loop in ("fit", "keras"):
   with strategy.scope():
     model = job_common.model()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+
+  if args.pause:
+    print("paused", flush=True)
+    time.sleep(args.pause)
 
   class Slow(keras.callbacks.Callback):
 

@@ -7,6 +7,8 @@ Usage: fit_job.py STRATEGY [--input arrays|shuffled|dataset|dataset_fn]
 
 --die-at ends the process abruptly (os._exit(3)) once that many steps are
 applied, before the backup callback runs, like a kill between two steps.
+"{task}" in --backup is replaced by this task's index in TF_CONFIG, so
+workers can be given different directories.
 """
 
 import argparse
@@ -66,8 +68,10 @@ callbacks = [DieAt()]
 if args.checkpoint:
   callbacks.append(keras.callbacks.ModelCheckpoint(args.checkpoint,
                                                    save_weights_only=True))
+task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+backup = args.backup.format(task=task.get("index", 0)) if args.backup else None
 history = tfdist.fit(model, epochs=args.epochs, callbacks=callbacks,
-                     backup_dir=args.backup, backup_every_steps=args.every,
+                     backup_dir=backup, backup_every_steps=args.every,
                      tensorboard_dir=args.tensorboard, verbose=2, **data)
 exported = tfdist.save_model(model, args.export) if args.export else None
 print(json.dumps({"weights": job_common.weights(model), "exported": exported,

@@ -2,12 +2,23 @@
 
 Prints its role and pid first. Modes:
   ok          exit 0
-  fail1       worker 1 exits 3, others sleep (until stopped)
-  serve       chief exits 0 at once; ps and workers sleep (servers)
-  trap DIR    on SIGTERM write DIR/<role> and exit 0; sleep meanwhile
-  flaky       exit 5 on the first run (TFDIST_RESTART=0), else 0
+  fail1       worker 1 exits 3 after 2 s (the others have printed their line
+              by then), others sleep (until stopped)
+  die N       worker 1 kills itself with signal N after 2 s, others sleep
+  serve       chief exits 0 after 2 s (the others have printed their line by
+              then); ps and workers sleep (servers)
+  trap DIR    on SIGTERM, SIGINT or SIGHUP write the signal's number to
+              DIR/<role> and exit 0; sleep meanwhile
+  flaky [K]   exit 5 on the first K runs (TFDIST_RESTART < K; K is 1 by
+              default), else 0; prints when it started
+  stubborn    ignore SIGTERM and SIGINT, print "ready" and sleep
+  evalfail    the evaluator exits 4 after 2 s, every other task exits 0
+  secret      print a digest of TFDIST_JOB_SECRET ("none" when unset)
+  grpc        start TensorFlow's gRPC server for this task and print the
+              address it listens on: "bound=wildcard" for every interface
 """
 
+import hashlib
 import json
 import os
 import signal
@@ -16,8 +27,8 @@ import time
 
 task = json.loads(os.environ["TF_CONFIG"])["task"]
 role = f"{task['type']}:{task['index']}"
-print(f"role={role} pid={os.getpid()} restart={os.environ['TFDIST_RESTART']}",
-      flush=True)
+restart = int(os.environ["TFDIST_RESTART"])
+print(f"role={role} pid={os.getpid()} restart={restart}", flush=True)
 mode = sys.argv[1]
 
 
@@ -32,21 +43,61 @@ if mode == "ok":
   sys.exit(0)
 if mode == "fail1":
   if role == "worker:1":
+    time.sleep(2)
     print("something broke", flush=True)
     sys.exit(3)
   sleep_forever()
+if mode == "die":
+  if role == "worker:1":
+    time.sleep(2)
+    os.kill(os.getpid(), int(sys.argv[2]))
+  sleep_forever()
 if mode == "serve":
   if task["type"] == "chief":
+    time.sleep(2)
     sys.exit(0)
   sleep_forever()
 if mode == "trap":
-  def on_term(signum, frame):
+  def on_signal(signum, frame):
     with open(os.path.join(sys.argv[2], role), "w") as f:
       f.write(str(signum))
     sys.exit(0)
-  signal.signal(signal.SIGTERM, on_term)
+  for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, on_signal)
+  print("ready", flush=True)
+  sleep_forever()
+if mode == "stubborn":
+  for s in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(s, signal.SIG_IGN)
   print("ready", flush=True)
   sleep_forever()
 if mode == "flaky":
-  sys.exit(5 if os.environ["TFDIST_RESTART"] == "0" else 0)
+  print(f"started at {time.time():.3f}", flush=True)
+  failures = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+  sys.exit(5 if restart < failures else 0)
+if mode == "evalfail":
+  if task["type"] == "evaluator":
+    time.sleep(2)
+    sys.exit(4)
+  sys.exit(0)
+if mode == "secret":
+  secret = os.environ.get("TFDIST_JOB_SECRET")
+  print("secret=" + (hashlib.sha256(secret.encode()).hexdigest()[:16]
+                     if secret else "none"), flush=True)
+  sys.exit(0)
+if mode == "grpc":
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
+  tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=task["type"],
+                       task_index=task["index"], protocol="grpc")
+  port = int(cluster[task["type"]][task["index"]].rsplit(":", 1)[1])
+  for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    with open(table) as f:
+      for line in f.read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, local_port = local.rsplit(":", 1)
+        if int(local_port, 16) == port and state == "0A":  # LISTEN.
+          print("bound=" + ("wildcard" if set(address) == {"0"} else address),
+                flush=True)
+  sys.exit(0)
 sys.exit(f"unknown mode {mode}")

@@ -12,7 +12,7 @@ import dataclasses
 from tfdist import launch as launch_lib
 from tfdist.cli import _args
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "build_spec", "run"]
 
 _SOURCE = "tfdist launch arguments"
 _EXAMPLE = "tfdist launch --workers 2 -- python train.py"
@@ -25,7 +25,11 @@ _FLAGS: _args.FlagTable = {
     "chief": ("--chief", dict(action="store_true", help="add a chief task")),
     "evaluator": ("--evaluator", dict(action="store_true",
                                       help="add an evaluator task")),
-    "host": ("--host", dict(help="address the tasks bind")),
+    "host": ("--host", dict(
+        help="address written in every task's TF_CONFIG: a loopback address "
+             "or an address or name of this machine. TensorFlow's gRPC "
+             "server listens on every interface (0.0.0.0) whatever it "
+             "says: this isolates nothing; use a firewall")),
     "port_base": ("--port-base", dict(
         type=int, metavar="PORT",
         help="first of consecutive ports (default: free ports)")),
@@ -35,6 +39,11 @@ _FLAGS: _args.FlagTable = {
     "max_restarts": ("--max-restarts", dict(
         type=int, metavar="K",
         help="relaunch the cluster up to K times after a failure")),
+    "restart_delay_seconds": ("--restart-delay-seconds", dict(
+        type=float, metavar="S",
+        help="wait before the first restart; it doubles before each "
+             f"further one, up to {launch_lib.MAX_RESTART_DELAY_SECONDS:g} "
+             "s")),
     "grace_seconds": ("--grace-seconds", dict(
         type=float, metavar="S",
         help="time a task gets to exit after SIGTERM")),
@@ -49,16 +58,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   _args.add_command(parser, help_text="the program to run in every task")
 
 
-def run(args: argparse.Namespace) -> int:
-  """Launches the cluster; returns the launcher's exit code.
+def build_spec(args: argparse.Namespace) -> launch_lib.LaunchSpec:
+  """The spec the arguments ask for, checked against this machine; starts
+  and writes nothing.
 
   Raises:
     ConfigError: the arguments make an invalid spec, or this machine cannot
-      run it (`tfdist.launch.preflight`); nothing has started.
+      run it (`tfdist.launch.preflight`).
   """
   with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS)):
     spec = launch_lib.LaunchSpec(
         command=_args.command(args, source=_SOURCE, example=_EXAMPLE),
         **_args.given(args, _FLAGS))
     launch_lib.preflight(spec)
-  return launch_lib.launch(spec)
+  return spec
+
+
+def run(args: argparse.Namespace) -> int:
+  """Launches the cluster; returns the launcher's exit code.
+
+  Raises:
+    ConfigError: the arguments make an invalid spec, or this machine cannot
+      run it; no task is left running.
+  """
+  spec = build_spec(args)
+  with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS)):
+    return launch_lib.launch(spec)

@@ -13,7 +13,7 @@ from tfdist.cli import _args
 from tfdist.errors import ConfigError
 from tfdist.launch import sbatch
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "build_spec", "run"]
 
 _SOURCE = "tfdist slurm arguments"
 _EXAMPLE = "tfdist slurm --nodes 2 -- python train.py"
@@ -46,12 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   _args.add_command(parser, help_text="the program each task runs")
 
 
-def run(args: argparse.Namespace) -> int:
-  """Prints or writes the script; writes nothing on errors.
+def build_spec(args: argparse.Namespace) -> sbatch.SbatchSpec:
+  """The spec the arguments ask for; writes nothing.
 
   Raises:
-    ConfigError: the arguments make an invalid spec, or FILE cannot be
-      written.
+    ConfigError: the arguments make an invalid spec.
   """
   with _args.config_errors(source=_SOURCE):
     base = sbatch.PRESETS[args.preset] if args.preset else sbatch.SbatchSpec()
@@ -59,7 +58,17 @@ def run(args: argparse.Namespace) -> int:
     command = _args.command(args, source=_SOURCE, example=_EXAMPLE)
     if command:
       changes["command"] = command
-    text = sbatch.render(dataclasses.replace(base, **changes))
+    return dataclasses.replace(base, **changes)
+
+
+def run(args: argparse.Namespace) -> int:
+  """Prints or writes the script; writes nothing on errors.
+
+  Raises:
+    ConfigError: the arguments make an invalid spec, or FILE cannot be
+      written.
+  """
+  text = sbatch.render(build_spec(args))
   if args.output is None:
     print(text, end="")
     return 0

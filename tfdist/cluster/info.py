@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator, Mapping
 
+from tfdist.errors import ConfigError
+
 __all__ = ["ClusterInfo", "SlurmInfo", "FrozenMapping", "SOURCES", "JOB_NAMES",
            "is_chief_task"]
 
@@ -26,7 +28,8 @@ def is_chief_task(task_type: str | None, task_id: int | None,
   """The one rule for who writes checkpoints, logs and exports.
 
   That is the single local process (no task type), the ``chief`` task, or
-  worker 0 when the cluster has no chief. `ClusterInfo.is_chief` and
+  worker 0 when the cluster has no chief. Never the ``evaluator`` (it only
+  reads training state) nor a ``ps`` task. `ClusterInfo.is_chief` and
   `tfdist.is_chief` both apply it.
   """
   if task_type in (None, "chief"):
@@ -125,6 +128,15 @@ class ClusterInfo:
     if self.source not in SOURCES:
       raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
     frozen = {job: tuple(addrs) for job, addrs in self.cluster.items()}
+    evaluators = frozen.get("evaluator", ())
+    if len(evaluators) > 1 or (self.task_type == "evaluator"
+                               and self.task_id not in (0, None)):
+      raise ConfigError(
+          field="cluster.evaluator" if len(evaluators) > 1 else "task_id",
+          value=(list(evaluators) if len(evaluators) > 1 else self.task_id),
+          expected="at most one evaluator (index 0), as TensorFlow allows",
+          source=self.origin,
+          hint="Run one evaluator task; make the others workers")
     object.__setattr__(self, "cluster", FrozenMapping(frozen))
     object.__setattr__(self, "accelerators", FrozenMapping(self.accelerators))
 

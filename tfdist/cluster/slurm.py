@@ -75,6 +75,8 @@ ROLES_VARIABLE = "TFDIST_SLURM_ROLES"
 PORT_RANGE_START = 10000
 #: Ports reserved for one job id on one node.
 PORTS_PER_JOB = 16
+#: Jobs TensorFlow allows one task of.
+_AT_MOST_ONE = ("chief", "evaluator")
 _PORT_SLOTS = (32768 - PORT_RANGE_START) // PORTS_PER_JOB  # 1423.
 
 _JOB_ID_VARS = ("SLURM_JOB_ID", "SLURM_JOBID")
@@ -88,6 +90,12 @@ _SRUN_HINT = (
     "Launch the training script with srun, one process per task, e.g. "
     "`srun -N 2 --ntasks-per-node=1 python train.py` (inside an sbatch script "
     "too: the batch script itself is not a step)")
+
+
+def _is_decimal(text: object) -> bool:
+  """ASCII digits, short enough for int() (Python limits long ones)."""
+  return (isinstance(text, str) and text.isascii() and text.isdigit()
+          and len(text) <= 18)
 
 
 def _first(environ: Environ, names: tuple[str, ...]) -> str | None:
@@ -128,7 +136,7 @@ def parse_roles(text: str, *, field: str = "roles",
 
   Raises:
     ConfigError: malformed, an unknown or repeated job name, a negative
-      count, more than one chief, or no tasks at all.
+      count, more than one chief or evaluator, or no tasks at all.
   """
   expected = (f"comma-separated JOB=COUNT with JOB among {sorted(JOB_NAMES)}, "
               "e.g. 'chief=1,ps=1,worker=2'")
@@ -137,13 +145,14 @@ def parse_roles(text: str, *, field: str = "roles",
     name, sep, count = (part or "").partition("=")
     name, count = name.strip(), count.strip()
     if (not sep or name not in JOB_NAMES or name in roles
-        or not (count.isascii() and count.isdigit())):
+        or not _is_decimal(count)):
       raise ConfigError(field=field, value=text, source=source,
                         expected=expected)
     roles[name] = int(count)
-  if roles.get("chief", 0) > 1:
-    raise ConfigError(field=field, value=text, source=source,
-                      expected="at most one chief")
+  for name in _AT_MOST_ONE:
+    if roles.get(name, 0) > 1:
+      raise ConfigError(field=field, value=text, source=source,
+                        expected=f"at most one {name}")
   if not sum(roles.values()):
     raise ConfigError(field=field, value=text, source=source,
                       expected="at least one task")
@@ -292,7 +301,7 @@ def _required(env: Environ, names: tuple[str, ...], source: str) -> str:
 
 def _read_int(env: Environ, name: str, source: str) -> int:
   raw = env[name]
-  if not (isinstance(raw, str) and raw.isascii() and raw.isdigit()):
+  if not _is_decimal(raw):
     raise ConfigError(field=name, value=raw, source=source,
                       expected="a non-negative integer")
   return int(raw)
@@ -371,7 +380,7 @@ def _port_base(env: Environ, port_base: int | None, job_id: int,
   raw = env.get("TFDIST_PORT_BASE")
   if raw is None:
     return default_port_base(job_id), "SLURM_JOB_ID"
-  if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= 65535):
+  if not (_is_decimal(raw) and 1 <= int(raw) <= 65535):
     raise ConfigError(field="TFDIST_PORT_BASE", value=raw, expected=expected,
                       source=source)
   return int(raw), "TFDIST_PORT_BASE"
@@ -393,9 +402,10 @@ def _assign_roles(addresses: list[str], roles: Roles | None, proc_id: int,
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
       raise ConfigError(field=f"roles[{name!r}]", value=count, source=where,
                         expected="a non-negative integer task count")
-  if roles.get("chief", 0) > 1:
-    raise ConfigError(field="roles['chief']", value=roles["chief"],
-                      source=where, expected="at most 1 chief")
+  for name in _AT_MOST_ONE:
+    if roles.get(name, 0) > 1:
+      raise ConfigError(field=f"roles[{name!r}]", value=roles[name],
+                        source=where, expected=f"at most 1 {name}")
   if sum(roles.values()) != len(addresses):
     raise ConfigError(
         field="roles", value=dict(roles), source=f"{where} and {source}",

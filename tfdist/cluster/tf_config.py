@@ -11,7 +11,8 @@ The rules, in the order they are checked:
 
 * The text is valid, non-empty JSON (the error gives line and column) with no
   key repeated in one object (JSON keeps the last one silently; the error
-  names the key, not its path).
+  names the key, not its path). Integers of thousands of digits and nesting
+  deeper than Python's recursion limit are errors too, not tracebacks.
 * The top level is an object whose keys are among ``cluster``, ``task``,
   ``rpc_layer``, ``environment`` and ``session_master``: the keys TensorFlow
   reads (``session_master`` only by TF1's ``TFConfigClusterResolver.master``).
@@ -228,6 +229,15 @@ def _decode(text: str, source: str) -> Any:
         expected=(f"valid JSON; {e.msg} at line {e.lineno} column {e.colno} "
                   f"(character {e.pos})"),
         source=source) from None
+  except ConfigError:
+    raise  # A repeated key, from the hook (ConfigError is a ValueError).
+  except (ValueError, RecursionError) as e:
+    # An integer of thousands of digits; arrays or objects nested too deep.
+    raise ConfigError(
+        field=ENV_VAR, value=text, source=source,
+        expected=f"JSON that Python can read ({str(e).split(';')[0]})",
+        hint="TF_CONFIG needs small numbers and two levels of nesting"
+    ) from None
 
 
 def _no_duplicate_keys(source: str):

@@ -35,6 +35,7 @@ from tfdist.strategy import introspect
 
 __all__ = [
     "DatasetFn",
+    "checked",
     "distribute",
     "distribute_dataset",
     "make_dataset_fn",
@@ -103,7 +104,7 @@ def make_dataset_fn(examples_fn: DatasetFn, *, global_batch_size: int,
                     "replicas in sync"),
           source="make_dataset_fn") from None
     dataset = examples_fn(context)
-    _check_dataset(dataset, "examples_fn")
+    _check_dataset(dataset, "examples_fn", source="make_dataset_fn")
     if shard_by_data:
       dataset = sharding.shard_by_data(dataset, context)
     if map_fn is not None:
@@ -262,7 +263,27 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
   return strategy.experimental_distribute_dataset(dataset, options)
 
 
-def _check_dataset(dataset: Any, field: str) -> None:
+def checked(dataset_fn: DatasetFn, *, field: str, source: str) -> DatasetFn:
+  """``dataset_fn``, raising a `tfdist.ConfigError` when it returns no dataset.
+
+  Without it a ``dataset_fn`` that returns a NumPy array or ``None`` fails
+  deep inside ``tf.distribute`` with a traceback that does not name it.
+
+  Args:
+    dataset_fn: ``input_context -> tf.data.Dataset``.
+    field: its argument name, for the message.
+    source: the API it was given to, for the message.
+  """
+  def dataset_fn_checked(input_context=None):
+    dataset = dataset_fn(input_context)
+    _check_dataset(dataset, field, source=source,
+                   what="a function that returns a tf.data.Dataset")
+    return dataset
+  return dataset_fn_checked
+
+
+def _check_dataset(dataset: Any, field: str, *, source: str = "tfdist.data",
+                   what: str = "a tf.data.Dataset") -> None:
   if not isinstance(dataset, tf.data.Dataset):
     raise ConfigError(field=field, value=type(dataset).__name__,
-                      expected="a tf.data.Dataset", source="tfdist.data")
+                      expected=what, source=source)

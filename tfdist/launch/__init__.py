@@ -15,6 +15,7 @@ Example:
   >>> launch(spec)  # doctest: +SKIP
 """
 
+from tfdist.launch.local import MAX_RESTART_DELAY_SECONDS
 from tfdist.launch.local import Launcher
 from tfdist.launch.local import LaunchSpec
 from tfdist.launch.local import TaskFailure
@@ -29,6 +30,7 @@ from tfdist.launch.sbatch import template_name
 __all__ = [
     "LaunchSpec",
     "Launcher",
+    "MAX_RESTART_DELAY_SECONDS",
     "PRESETS",
     "SbatchSpec",
     "TaskFailure",

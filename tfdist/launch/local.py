@@ -2,15 +2,32 @@
 
 TensorFlow has no ``torchrun``. `launch` starts one process per task on this
 machine, each with its own TF_CONFIG on free ports, prefixes each line of
-output with the task's role, forwards SIGINT and SIGTERM, and never leaves a
-process behind:
+output with the task's role, and never leaves a process behind:
 
+* each task leads a process group (and session) of its own, and dies with
+  the launcher: SIGINT and SIGTERM are forwarded to every task, SIGHUP is
+  forwarded as SIGTERM, a second signal kills the tasks at once, and a
+  parent-death signal (Linux ``PR_SET_PDEATHSIG``) SIGKILLs every task when
+  the launcher dies, even of SIGKILL. Call `launch` from the main thread:
+  the kernel sends that signal when the thread that started the task ends;
 * a task that fails stops the others, and the launcher reports which task,
-  its exit code and the tail of its output, then exits with that code;
+  its exit code and the tail of its output, then exits with that code
+  (``128 + N`` for a task killed by signal N, as a shell says it); an
+  evaluator that fails after training fails the launch too;
 * once the training tasks (chief, workers under MultiWorkerMirrored) finish,
-  the servers (ps, and workers under ParameterServer) are stopped;
-* ``max_restarts`` relaunches the whole cluster after a failure; each task
-  sees ``TFDIST_RESTART`` (0 on the first run).
+  the evaluator gets ``grace_seconds`` to end, and the servers (ps, and
+  workers under ParameterServer) are stopped;
+* ``max_restarts`` relaunches the whole cluster after a failure, waiting
+  ``restart_delay_seconds`` first, twice as long before each further restart
+  (at most `MAX_RESTART_DELAY_SECONDS`); each task sees ``TFDIST_RESTART``
+  (0 on the first run);
+* every run gives its tasks one fresh random secret in ``TFDIST_JOB_SECRET``
+  (`tfdist._net.JOB_SECRET_VARIABLE`), unless the environment sets one: the
+  socket all-reduce ring admits only tasks that know it.
+
+TensorFlow's gRPC server listens on every interface (``0.0.0.0``/``[::]``),
+whatever address TF_CONFIG names: ``host`` only sets the addresses the tasks
+dial, and isolates nothing.
 
 Every wait is bounded: a task that ignores SIGTERM is killed after
 ``grace_seconds``.
@@ -28,24 +45,52 @@ Example:
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
+import errno
+import ipaddress
 import json
+import math
 import os
+import re
+import resource
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Mapping, Sequence, TextIO
+from typing import Callable, Mapping, Sequence, TextIO
 
 from tfdist import _net
 from tfdist.errors import ConfigError
 
-__all__ = ["LaunchSpec", "Launcher", "launch", "preflight", "TaskFailure"]
+__all__ = ["LaunchSpec", "Launcher", "launch", "preflight", "TaskFailure",
+           "MAX_RESTART_DELAY_SECONDS"]
 
 _SOURCE = "LaunchSpec"
 _TAIL_LINES = 20
+
+#: The longest wait before a restart; the delay doubles up to it.
+MAX_RESTART_DELAY_SECONDS = 60.0
+#: The longest ``grace_seconds`` or ``restart_delay_seconds`` accepted.
+_MAX_SECONDS = 3600.0
+#: One port per task, from the first unprivileged one.
+_MAX_TASKS = 65536 - 1024
+#: File descriptors the launcher keeps for itself beside its tasks' pipes.
+_SPARE_FILES = 64
+#: A DNS name: dot-separated labels of letters, digits and inner hyphens.
+_HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+                       r"(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+#: The launcher's signal -> what its tasks get: SIGHUP (the terminal went
+#: away) asks them to save and stop, as SIGTERM does.
+_FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
+              signal.SIGHUP: signal.SIGTERM}
+#: A task that could not be started -> the field to blame.
+_START_ERRORS = {errno.EMFILE: "num_workers", errno.ENFILE: "num_workers",
+                 errno.EAGAIN: "num_workers", errno.ENOMEM: "num_workers"}
+_PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,12 +104,17 @@ class LaunchSpec:
       coordinator) is always added.
     chief: add a ``chief`` task.
     evaluator: add an ``evaluator`` task.
-    host: the address every task binds, ``127.0.0.1`` by default.
+    host: the address written in every task's TF_CONFIG, ``127.0.0.1`` by
+      default: a loopback address, or an address or name of this machine
+      (checked by `preflight`). TensorFlow's gRPC server listens on every
+      interface whatever it says.
     port_base: first port; consecutive ports from there must be free (checked
       by `preflight`). Free ports are picked when ``None``.
     log_dir: also write each task's output to ``<log_dir>/<type>-<index>.log``
-      (created when launching).
+      (appended to; the directory is created, before any task starts).
     max_restarts: relaunch the cluster up to this many times after a failure.
+    restart_delay_seconds: wait before the first restart; each further one
+      waits twice as long, at most `MAX_RESTART_DELAY_SECONDS`.
     grace_seconds: how long a task may take to exit after SIGTERM.
     env: extra environment for every task.
 
@@ -80,23 +130,37 @@ class LaunchSpec:
   port_base: int | None = None
   log_dir: str | None = None
   max_restarts: int = 0
+  restart_delay_seconds: float = 1.0
   grace_seconds: float = 10.0
   env: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
+    _words("command", self.command,
+           "a program and its arguments, e.g. ('python', 'train.py')")
     object.__setattr__(self, "command", tuple(self.command))
-    _int_at_least("num_workers", self.num_workers, 1,
+    _int_at_least("num_workers", self.num_workers, 1, high=_MAX_TASKS,
                   hint="Every cluster needs a worker: set num_workers to 1 "
                         "or more")
-    _int_at_least("num_ps", self.num_ps, 0)
+    _int_at_least("num_ps", self.num_ps, 0, high=_MAX_TASKS)
     _int_at_least("max_restarts", self.max_restarts, 0)
-    if not self.grace_seconds > 0:
-      raise ConfigError(field="grace_seconds", value=self.grace_seconds,
-                        expected="a positive number of seconds", source=_SOURCE)
-    if not self.command:
-      raise ConfigError(field="command", value=self.command, source=_SOURCE,
-                        expected="a program and its arguments, e.g. "
-                                 "('python', 'train.py')")
+    _seconds("grace_seconds", self.grace_seconds, zero=False)
+    _seconds("restart_delay_seconds", self.restart_delay_seconds, zero=True)
+    if self.num_tasks > _MAX_TASKS:
+      raise ConfigError(field="num_workers", value=self.num_workers,
+                        source=_SOURCE,
+                        expected=f"at most {_MAX_TASKS} tasks in all (one "
+                                 f"unprivileged port each), not "
+                                 f"{self.num_tasks}")
+    _host(self.host)
+    if self.log_dir is not None:
+      _words("log_dir", (self.log_dir,), "a directory path")
+    env = self.env if isinstance(self.env, Mapping) else None
+    if env is None or not all(
+        isinstance(k, str) and k and "=" not in k and "\0" not in k
+        and isinstance(v, str) and "\0" not in v for k, v in env.items()):
+      raise ConfigError(field="env", value=self.env, source=_SOURCE,
+                        expected="a mapping of variable names (no '=') to "
+                                 "strings, without NUL bytes")
     if self.port_base is not None:
       _int_at_least("port_base", self.port_base, 1024)
       if self.port_base + self.num_tasks - 1 > 65535:
@@ -116,6 +180,14 @@ class LaunchSpec:
   def num_tasks(self) -> int:
     return sum(self.jobs.values()) + int(self.evaluator)
 
+  def restart_delay(self, restart: int) -> float:
+    """Seconds to wait before restart number ``restart`` (1, 2, ...)."""
+    if not self.restart_delay_seconds:
+      return 0.0
+    doublings = min(restart - 1, 64)  # Past the cap long before 2**64.
+    return min(self.restart_delay_seconds * 2.0 ** doublings,
+               MAX_RESTART_DELAY_SECONDS)
+
   def tf_configs(self) -> list[dict]:
     """One TF_CONFIG per task: the cluster tasks, then the evaluator."""
     configs = _net.cluster_tf_configs(self.jobs, host=self.host,
@@ -125,12 +197,24 @@ class LaunchSpec:
                       "task": {"type": "evaluator", "index": 0}})
     return configs
 
+  def log_paths(self) -> list[str]:
+    """``<log_dir>/<type>-<index>.log`` of each task, in `tf_configs` order;
+    empty without a ``log_dir``."""
+    if not self.log_dir:
+      return []
+    names = [f"{job}-{i}.log" for job, n in self.jobs.items()
+             for i in range(n)] + ["evaluator-0.log"] * self.evaluator
+    return [os.path.join(self.log_dir, name) for name in names]
+
 
 def preflight(spec: LaunchSpec) -> None:
   """Checks what ``spec`` needs from this machine, before anything starts.
 
-  The program must be on PATH (and a Python script must exist), and with a
-  ``port_base`` the ports of every task must be free on ``host``.
+  The program must be on PATH (and a Python script must exist), ``host``
+  must be an address of this machine, the open-file limit must allow a pipe
+  (and a log file) per task, the log files must not be directories, and
+  with a ``port_base`` the ports of every task must be free on ``host``.
+  Nothing is written.
 
   Raises:
     ConfigError: the first thing missing, naming the field.
@@ -144,6 +228,27 @@ def preflight(spec: LaunchSpec) -> None:
     if not script.startswith("-") and not os.path.isfile(script):
       raise ConfigError(field="script", value=script, source=_SOURCE,
                         expected="an existing Python file")
+  problem = _net.port_problem(spec.host, 0)
+  if problem:
+    raise ConfigError(
+        field="host", value=spec.host, source=_SOURCE, hint=problem,
+        expected="an address or name of this machine, e.g. 127.0.0.1")
+  per_task = 2 if spec.log_dir else 1
+  files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+  if (files != resource.RLIM_INFINITY
+      and spec.num_tasks * per_task + _SPARE_FILES > files):
+    raise ConfigError(
+        field="num_workers", value=spec.num_workers, source=_SOURCE,
+        expected=(f"at most {max(0, files - _SPARE_FILES) // per_task} tasks "
+                  f"in all under this process's open-file limit of {files}, "
+                  f"not {spec.num_tasks}"),
+        hint="Launch fewer tasks, or raise the limit with `ulimit -n`")
+  for path in [spec.log_dir] * bool(spec.log_dir) + spec.log_paths():
+    wanted = os.path.isdir if path == spec.log_dir else os.path.isfile
+    if os.path.lexists(path) and not wanted(path):
+      raise ConfigError(
+          field="log_dir", value=spec.log_dir, source=_SOURCE,
+          expected=f"a directory where {path} can be a log file")
   if spec.port_base is not None:
     ports = range(spec.port_base, spec.port_base + spec.num_tasks)
     taken = [p for p in ports if _net.port_problem(spec.host, p)]
@@ -156,11 +261,17 @@ def preflight(spec: LaunchSpec) -> None:
 
 
 class TaskFailure(Exception):
-  """A task exited non-zero (internal to the launcher)."""
+  """A task exited non-zero (internal to the launcher).
 
-  def __init__(self, role: str, code: int, tail: Sequence[str]):
+  Attributes:
+    restart: whether a restart can help (not after training finished).
+  """
+
+  def __init__(self, role: str, code: int, tail: Sequence[str], *,
+               restart: bool = True):
     super().__init__(role, code)
     self.role, self.code, self.tail = role, code, list(tail)
+    self.restart = restart
 
 
 @dataclasses.dataclass
@@ -170,6 +281,7 @@ class _Task:
   proc: subprocess.Popen
   tail: collections.deque
   reader: threading.Thread
+  log: TextIO | None
 
   @property
   def kind(self) -> str:
@@ -180,7 +292,8 @@ class Launcher:
   """Runs a `LaunchSpec`; `run` returns the exit code.
 
   Raises:
-    ConfigError: from `run`, when `preflight` fails; nothing has started.
+    ConfigError: from `run`, when `preflight` fails or the log directory or
+      a task cannot be created; no task is left running.
   """
 
   def __init__(self, spec: LaunchSpec, *, out: TextIO | None = None):
@@ -192,18 +305,28 @@ class Launcher:
 
   def run(self) -> int:
     preflight(self._spec)
-    handlers = {s: signal.signal(s, self._on_signal)
-                for s in (signal.SIGINT, signal.SIGTERM)}
+    if not _net.is_loopback(self._spec.host):
+      print(f"tfdist: warning: TensorFlow's gRPC servers listen on every "
+            f"interface (0.0.0.0), not only on {self._spec.host}: host only "
+            "sets the addresses in TF_CONFIG", file=sys.stderr, flush=True)
+    handlers = {s: signal.signal(s, self._on_signal) for s in _FORWARDED}
     try:
+      _make_dirs(self._spec.log_dir)
       for attempt in range(self._spec.max_restarts + 1):
+        if attempt:
+          delay = self._spec.restart_delay(attempt)
+          self._say(f"restarting the cluster ({attempt} of "
+                    f"{self._spec.max_restarts}) in {delay:g} s")
+          if not self._sleep(delay):
+            return 128 + self._signal
         try:
           return self._run_once(attempt)
         except TaskFailure as failure:
           self._report(failure)
-          if self._signal is not None or attempt == self._spec.max_restarts:
-            return failure.code if failure.code > 0 else 1
-          self._say(f"restarting the cluster ({attempt + 1} of "
-                    f"{self._spec.max_restarts})")
+          if self._signal is not None:
+            return 128 + self._signal
+          if not failure.restart or attempt == self._spec.max_restarts:
+            return _exit_code(failure.code)
       return 1  # Unreachable: the loop always returns.
     finally:
       self._stop_all()
@@ -211,7 +334,7 @@ class Launcher:
         signal.signal(s, h)
 
   def _run_once(self, attempt: int) -> int:
-    self._tasks = [self._start(c, attempt) for c in self._spec.tf_configs()]
+    self._start_all(attempt)
     servers = "ps" in self._spec.jobs  # Workers only serve under PS.
     trainers = [t for t in self._tasks
                 if t.kind == "chief" or (t.kind == "worker" and not servers)]
@@ -226,38 +349,71 @@ class Launcher:
           self._stop_all()
           raise TaskFailure(t.role, code, t.tail)
       if all(t.proc.poll() == 0 for t in trainers):
-        self._finish_evaluator()
+        failed = self._finish_evaluator()
         self._stop_all()
+        if failed:  # Training is done: a restart would not help.
+          raise TaskFailure(failed.role, failed.proc.returncode, failed.tail,
+                            restart=False)
         return 0
       time.sleep(0.1)
 
-  def _finish_evaluator(self) -> None:
+  def _finish_evaluator(self) -> _Task | None:
+    """Gives the evaluator ``grace_seconds`` to end; one that failed by
+    itself, or ``None``."""
     deadline = time.monotonic() + self._spec.grace_seconds
     for t in self._tasks:
       if t.kind == "evaluator":
         while t.proc.poll() is None and time.monotonic() < deadline:
           time.sleep(0.1)
+        if t.proc.poll() not in (None, 0):
+          t.reader.join(timeout=5)
+          return t
+    return None
 
-  def _start(self, config: dict, attempt: int) -> _Task:
-    task = config["task"]
-    role = f"{task['type']}:{task['index']}"
+  def _start_all(self, attempt: int) -> None:
+    """Starts every task, then their readers (so no thread runs while the
+    launcher forks), or none: a task that cannot start stops the others."""
     env = dict(os.environ)
     env.update(self._spec.env)
-    env.update(TF_CONFIG=json.dumps(config), TFDIST_RESTART=str(attempt),
-               PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(self._spec.command, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    if not env.get(_net.JOB_SECRET_VARIABLE):
+      env[_net.JOB_SECRET_VARIABLE] = secrets.token_hex(32)
+    env.update(TFDIST_RESTART=str(attempt), PYTHONUNBUFFERED="1")
+    configs = self._spec.tf_configs()
+    logs: list[TextIO | None] = []
+    self._tasks = []
+    try:
+      for path in self._spec.log_paths() or [None] * len(configs):
+        logs.append(open(path, "a") if path else None)
+      for config, log in zip(configs, logs):
+        if self._signal is None:
+          self._tasks.append(self._start(config, env, log))
+    except OSError as e:
+      for log in logs[len(self._tasks):]:
+        if log:
+          log.close()
+      self._stop_all()
+      field = ("log_dir" if len(logs) < len(configs)
+               else _START_ERRORS.get(e.errno, "command"))
+      raise ConfigError(
+          field=field, value=getattr(self._spec, field), source=_SOURCE,
+          expected="a cluster this machine can start and log",
+          hint=f"task {len(self._tasks)} could not start: {e}") from None
+    for t in self._tasks:
+      t.reader.start()
+
+  def _start(self, config: dict, env: dict[str, str],
+             log: TextIO | None) -> _Task:
+    task = config["task"]
+    role = f"{task['type']}:{task['index']}"
+    proc = subprocess.Popen(
+        self._spec.command, env={**env, "TF_CONFIG": json.dumps(config)},
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=_die_with(os.getpid()))
     tail: collections.deque = collections.deque(maxlen=_TAIL_LINES)
-    log = None
-    if self._spec.log_dir:
-      os.makedirs(self._spec.log_dir, exist_ok=True)
-      log = open(os.path.join(self._spec.log_dir,
-                              f"{task['type']}-{task['index']}.log"), "a")
     reader = threading.Thread(target=self._pump,
                               args=(role, proc.stdout, tail, log), daemon=True)
-    reader.start()
-    return _Task(role, config, proc, tail, reader)
+    return _Task(role, config, proc, tail, reader, log)
 
   def _pump(self, role, stream, tail, log) -> None:
     """Copies a task's output with its role before each line.
@@ -298,16 +454,27 @@ class Launcher:
       self._out.flush()
 
   def _on_signal(self, signum, frame) -> None:
+    """Forwards the first signal; a second one kills the tasks at once."""
     del frame
-    self._signal = signum
+    again = self._signal is not None
+    self._signal = self._signal or signum
     for t in self._tasks:
-      _signal_group(t.proc, signum)
+      _signal_group(t.proc, signal.SIGKILL if again else _FORWARDED[signum])
+
+  def _sleep(self, seconds: float) -> bool:
+    """Sleeps ``seconds`` unless a signal comes; whether none came."""
+    deadline = time.monotonic() + seconds
+    while self._signal is None and time.monotonic() < deadline:
+      time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    return self._signal is None
 
   def _stop_all(self) -> None:
-    """SIGTERM every live task, then SIGKILL what outlives the grace period."""
+    """SIGTERM every live task (unless a forwarded signal already asked them
+    to stop), then SIGKILL what outlives the grace period."""
     live = [t for t in self._tasks if t.proc.poll() is None]
-    for t in live:
-      _signal_group(t.proc, signal.SIGTERM)
+    if self._signal is None:
+      for t in live:
+        _signal_group(t.proc, signal.SIGTERM)
     deadline = time.monotonic() + self._spec.grace_seconds
     for t in live:
       try:
@@ -319,7 +486,12 @@ class Launcher:
         _signal_group(t.proc, signal.SIGKILL)
         t.proc.wait(timeout=10)
       _signal_group(t.proc, signal.SIGKILL)  # Stray grandchildren, if any.
-      t.reader.join(timeout=5)
+      if t.reader.is_alive():
+        t.reader.join(timeout=5)
+      elif t.reader.ident is None:  # Never started: nothing to read.
+        t.proc.stdout.close()
+        if t.log:
+          t.log.close()
 
   def _report(self, failure: TaskFailure) -> None:
     how = (f"was killed by signal {-failure.code}" if failure.code < 0
@@ -337,19 +509,71 @@ class Launcher:
 def launch(spec: LaunchSpec, *, out: TextIO | None = None) -> int:
   """Runs every task of ``spec``; returns the launcher's exit code.
 
+  Call it from the main thread: it handles SIGINT, SIGTERM and SIGHUP, and
+  the tasks die when the thread that started them ends.
+
   Args:
     spec: what to launch.
     out: where the tasks' prefixed output goes; ``sys.stdout`` by default.
 
   Returns:
-    0 when the training tasks succeeded; the failed task's exit code (1 when
-    it was killed by a signal) after the last restart; ``128 + N`` when the
-    launcher itself got signal N.
+    0 when the training tasks succeeded and the evaluator, if any, did not
+    fail; after the last restart, the failed task's exit code, ``128 + N``
+    when it was killed by signal N; ``128 + N`` when the launcher itself got
+    signal N.
 
   Raises:
-    ConfigError: `preflight` failed; nothing has started.
+    ConfigError: `preflight` failed, or the log directory or a task could
+      not be created; no task is left running.
   """
   return Launcher(spec, out=out).run()
+
+
+def _exit_code(code: int) -> int:
+  """A task's return code as a shell gives it: ``128 + N`` for signal N."""
+  return code if code >= 0 else 128 - code
+
+
+def _die_with(parent: int) -> Callable[[], None] | None:
+  """A ``preexec_fn`` asking the kernel to SIGKILL the task when ``parent``
+  (the launching thread) ends; ``None`` where Linux's prctl is missing."""
+  prctl = getattr(_LIBC, "prctl", None)
+  if prctl is None:
+    return None
+
+  def preexec() -> None:
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # The launcher died before prctl.
+      os.kill(os.getpid(), signal.SIGKILL)
+  return preexec
+
+
+def _make_dirs(path: str | None) -> None:
+  """Creates directory ``path`` and its missing parents, or nothing.
+
+  Raises:
+    ConfigError: it cannot be created, or files cannot be created in it.
+  """
+  if not path:
+    return
+  missing = []
+  parent = os.path.abspath(path)
+  while not os.path.lexists(parent):
+    missing.append(parent)
+    parent = os.path.dirname(parent)
+  created = []
+  try:
+    for directory in reversed(missing):
+      os.mkdir(directory)
+      created.append(directory)
+    if not os.access(path, os.W_OK | os.X_OK):
+      raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+  except OSError as e:
+    for directory in reversed(created):  # Empty: only ours.
+      os.rmdir(directory)
+    raise ConfigError(field="log_dir", value=path, source=_SOURCE,
+                      expected="a directory that can be created and written",
+                      hint=f"{e.strerror}: {e.filename}") from None
 
 
 def _signal_group(proc: subprocess.Popen, signum: int) -> None:
@@ -359,7 +583,56 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
     pass
 
 
-def _int_at_least(field: str, value, low: int, hint: str | None = None) -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value < low:
+def _int_at_least(field: str, value, low: int, hint: str | None = None, *,
+                  high: int | None = None) -> None:
+  if (not isinstance(value, int) or isinstance(value, bool) or value < low
+      or (high is not None and value > high)):
+    expected = (f"an integer >= {low}" if high is None
+                else f"an integer from {low} to {high}")
+    low_int = isinstance(value, int) and value < low
     raise ConfigError(field=field, value=value, source=_SOURCE,
-                      expected=f"an integer >= {low}", hint=hint)
+                      expected=expected, hint=hint if low_int else None)
+
+
+def _seconds(field: str, value, *, zero: bool) -> None:
+  if (isinstance(value, bool) or not isinstance(value, (int, float))
+      or not math.isfinite(value) or value > _MAX_SECONDS
+      or value < 0 or (value == 0 and not zero)):
+    raise ConfigError(field=field, value=value, source=_SOURCE,
+                      expected=f"a number of seconds "
+                               f"{'from 0' if zero else 'above 0'} to "
+                               f"{_MAX_SECONDS:g}")
+
+
+def _words(field: str, value, expected: str) -> None:
+  if (isinstance(value, str) or not isinstance(value, Sequence) or not value
+      or not all(isinstance(w, str) and w and "\0" not in w for w in value)):
+    raise ConfigError(field=field, value=value, source=_SOURCE,
+                      expected=f"{expected}: non-empty strings without NUL "
+                               "bytes")
+
+
+def _host(host) -> None:
+  """``host`` is an IP address or a DNS name (reachability: `preflight`)."""
+  if isinstance(host, str):
+    try:
+      ipaddress.ip_address(host)
+      return
+    except ValueError:
+      if len(host) <= 253 and _HOSTNAME.fullmatch(host):
+        return
+  raise ConfigError(field="host", value=host, source=_SOURCE,
+                    expected="an IP address or a DNS name of this machine, "
+                             "e.g. 127.0.0.1")
+
+
+def _load_libc() -> ctypes.CDLL | None:
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    return ctypes.CDLL(None, use_errno=True)
+  except OSError:
+    return None
+
+
+_LIBC = _load_libc()

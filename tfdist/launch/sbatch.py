@@ -25,7 +25,11 @@ Every script:
   so the runs of a requeued job follow each other;
 * reads ``TFDIST_COMMAND``, when set, instead of the rendered command, split
   on whitespace: tests and quick experiments run another program without
-  editing the file.
+  editing the file;
+* exports a fresh random ``TFDIST_JOB_SECRET`` (from ``/dev/urandom``, never
+  on a command line) once per run of the job, unless the submitting
+  environment sets one: ``srun`` passes it to every task, and the socket
+  all-reduce ring admits only tasks that know it.
 
 Parameter-server roles are exported as ``TFDIST_SLURM_ROLES``, which
 `tfdist.cluster.slurm` reads in every task, so any program that builds its
@@ -44,6 +48,7 @@ import re
 import shlex
 from typing import Mapping
 
+from tfdist import _net
 from tfdist.cluster.slurm import parse_roles
 from tfdist.errors import ConfigError
 from tfdist.errors import PREEMPTED_EXIT_CODE
@@ -62,6 +67,11 @@ _TIME = re.compile(
     r"^(?:(?P<days>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
     r"|(?P<a>\d+)(?::(?P<b>\d+)(?::(?P<c>\d+))?)?)$")
 _MAX_SIGNAL_SECONDS = 65535  # SLURM keeps the signal time in 16 bits.
+# SLURM keeps node and task counts in 32 bits and per-node or per-task counts
+# in 16, the top values meaning "not set" or "unlimited".
+_MAX_COUNT = 2**32 - 3
+_MAX_PER_NODE = 2**16 - 3
+_MAX_MINUTES = 2**32 - 3  # The time limit, in minutes.
 #: Seconds the remaining PS tasks get after the first task (the chief) exits.
 _PS_WAIT_SECONDS = 60
 
@@ -86,9 +96,10 @@ def parse_time(text: str, *, field: str = "time",
     seconds = (g["a"] * 60 + g["b"]) * 60 + g["c"]
   else:  # MM or MM:SS.
     seconds = g["a"] * 60 + g["b"]
-  if seconds <= 0:
+  if not 0 < seconds <= _MAX_MINUTES * 60:
     raise ConfigError(field=field, value=text, source=source,
-                      expected="a time limit above zero")
+                      expected=f"a time limit above zero and at most "
+                               f"{_MAX_MINUTES} minutes")
   return seconds
 
 
@@ -132,16 +143,21 @@ class SbatchSpec:
     for field in ("job_name", "partition"):
       value = getattr(self, field)
       if value is not None and not (isinstance(value, str)
-                                    and _NAME.match(value)):
+                                    and _NAME.fullmatch(value)):
         raise ConfigError(
             field=field, value=value, source=_SOURCE,
             expected="a name of letters, digits and _.+- (no spaces)")
-    _count("nodes", self.nodes, 1)
-    _count("tasks_per_node", self.tasks_per_node, 1)
-    _count("gpus_per_node", self.gpus_per_node, 0)
-    _count("cpus_per_task", self.cpus_per_task, 1)
+    _count("nodes", self.nodes, 1, _MAX_COUNT)
+    _count("tasks_per_node", self.tasks_per_node, 1, _MAX_PER_NODE)
+    _count("gpus_per_node", self.gpus_per_node, 0, _MAX_PER_NODE)
+    _count("cpus_per_task", self.cpus_per_task, 1, _MAX_PER_NODE)
+    if self.num_tasks > _MAX_COUNT:
+      raise ConfigError(
+          field="tasks_per_node", value=self.tasks_per_node, source=_SOURCE,
+          expected=(f"nodes * tasks_per_node at most {_MAX_COUNT}, not "
+                    f"{self.nodes} * {self.tasks_per_node}"))
     limit = parse_time(self.time)
-    _count("signal_seconds", self.signal_seconds, 1)
+    _count("signal_seconds", self.signal_seconds, 1, _MAX_SIGNAL_SECONDS)
     if self.signal_seconds >= min(limit, _MAX_SIGNAL_SECONDS + 1):
       raise ConfigError(
           field="signal_seconds", value=self.signal_seconds, source=_SOURCE,
@@ -152,12 +168,13 @@ class SbatchSpec:
                         expected="True or False")
     command = self.command
     if isinstance(command, str) or not command or not all(
-        isinstance(word, str) and word for word in command):
+        isinstance(word, str) and word and "\0" not in word
+        for word in command):
       raise ConfigError(field="command", value=command, source=_SOURCE,
-                        expected="a non-empty list of words, e.g. "
-                                 "['python', 'train.py']")
+                        expected="a non-empty list of words without NUL "
+                                 "bytes, e.g. ['python', 'train.py']")
     object.__setattr__(self, "command", tuple(command))
-    if not isinstance(self.description, str):
+    if not isinstance(self.description, str) or "\0" in self.description:
       raise ConfigError(field="description", value=self.description,
                         source=_SOURCE, expected="a string")
     if self.roles is not None:
@@ -177,10 +194,11 @@ class SbatchSpec:
     return self.nodes * self.tasks_per_node
 
 
-def _count(field: str, value: object, minimum: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def _count(field: str, value: object, minimum: int, maximum: int) -> None:
+  if (isinstance(value, bool) or not isinstance(value, int)
+      or not minimum <= value <= maximum):
     raise ConfigError(field=field, value=value, source=_SOURCE,
-                      expected=f"an integer of at least {minimum}")
+                      expected=f"an integer from {minimum} to {maximum}")
 
 
 #: The specs behind ``cluster_configs/<name>.sbatch``.
@@ -271,6 +289,8 @@ def render(spec: SbatchSpec) -> str:
   lines += ["", "set -uo pipefail", ""]
   lines += _command_lines(spec)
   lines += [""]
+  lines += _secret_lines()
+  lines += [""]
   lines += _signal_lines(spec)
   lines += [""]
   lines += _run_lines(spec)
@@ -295,6 +315,19 @@ def _command_lines(spec: SbatchSpec) -> list[str]:
         f"export TFDIST_SLURM_ROLES={spec.roles}",
     ]
   return lines
+
+
+def _secret_lines() -> list[str]:
+  name = _net.JOB_SECRET_VARIABLE
+  return [
+      "# A fresh random secret for this run, shared by its tasks through srun: "
+      "the socket",
+      "# all-reduce ring admits only tasks that know it. Exported, never on a "
+      "command line;",
+      "# one set when submitting is kept.",
+      f'export {name}="${{{name}:-$(od -An -N32 -tx1 /dev/urandom '
+      "| tr -d ' \\n')}\"",
+  ]
 
 
 def _signal_lines(spec: SbatchSpec) -> list[str]:

@@ -40,6 +40,7 @@ import tensorflow as tf
 from tfdist.errors import ConfigError
 from tfdist.perf import compression as compression_lib
 from tfdist.perf import transport as transport_lib
+from tfdist.perf.ring.connection import ring_ports
 
 __all__ = ["GradientOptions", "with_gradient_options", "gradient_options_of"]
 
@@ -62,12 +63,23 @@ class GradientOptions:
       connecting the workers at the first step.
     socket_timeout_seconds: ``socket`` transport: a peer that sends nothing
       for this long during an all-reduce is declared lost.
+    socket_secret: ``socket`` transport: the job's secret, the same on
+      every worker; ``TFDIST_JOB_SECRET`` when ``None`` (never shown in
+      ``repr``).
+    socket_ports: ``socket`` transport: ``"FIRST-LAST"``, the ports the ring
+      may listen on; ``TFDIST_RING_PORTS`` when ``None``, else any.
+    socket_authenticate_values: ``socket`` transport: also tag every step's
+      bytes with an HMAC, so values altered on the way fail the step (costs
+      hashing every byte; needs a secret).
   """
   compression: str = "none"
   bytes_per_pack: int = 0
   transport: str = "collective"
   socket_connect_timeout_seconds: float = 300.0
   socket_timeout_seconds: float = 300.0
+  socket_secret: str | None = dataclasses.field(default=None, repr=False)
+  socket_ports: str | None = None
+  socket_authenticate_values: bool = False
 
   def __post_init__(self):
     compression_lib.get_compression(self.compression)  # Validates the name.
@@ -91,6 +103,12 @@ class GradientOptions:
           or not seconds > 0):
         raise ConfigError(field=field, value=seconds, source=_SOURCE,
                           expected="a positive number of seconds")
+    if self.socket_ports is not None:
+      ring_ports(self.socket_ports, source=f"{_SOURCE}.socket_ports")
+    if not isinstance(self.socket_secret, (str, type(None))):
+      raise ConfigError(field="socket_secret",
+                        value=type(self.socket_secret).__name__,
+                        source=_SOURCE, expected="a string or None")
 
 
 def gradient_options_of(optimizer: Any) -> GradientOptions | None:
@@ -156,7 +174,9 @@ def _all_reduce(grads_and_vars, codec: compression_lib.Compression,
         grads, compression=options.compression,
         connect_timeout_s=options.socket_connect_timeout_seconds,
         timeout_s=options.socket_timeout_seconds,
-        fallback=lambda ts: _collective(context, ts, codec, communication))
+        fallback=lambda ts: _collective(context, ts, codec, communication),
+        secret=options.socket_secret, ports=options.socket_ports,
+        authenticate_values=options.socket_authenticate_values)
   else:
     reduced = _collective(context, grads, codec, communication)
   result = list(pairs)

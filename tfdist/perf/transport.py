@@ -25,9 +25,17 @@ The ``socket`` transport, step by step:
   listens on a port the operating system picks and publishes it in
   TensorFlow's coordination service (the key-value store that
   MultiWorkerMirroredStrategy runs on its leader task) under
-  ``tfdist/socket_transport/<ring>/<rank>``. Nothing to configure and no
-  port to collide with on localhost; across hosts, workers must reach each
-  other on TCP ports the OS picks, as TensorFlow's own workers do.
+  ``tfdist/socket_transport/<ring>/<rank>``. Each listens on its own
+  cluster address (every interface only when that is not an address of this
+  host, logged), on a port the OS picks, or the first free one of
+  ``socket_ports`` / ``TFDIST_RING_PORTS`` (e.g. ``20000-20100``, to open
+  in a firewall).
+* **Who may join**: workers prove the job's secret (``TFDIST_JOB_SECRET``,
+  which ``tfdist launch`` and ``tfdist slurm`` set, or ``socket_secret``)
+  to each other when they connect (`tfdist.perf.ring.auth`); anything else
+  that connects is dropped and the ring keeps waiting for its peer.
+  ``socket_authenticate_values`` also tags every step's bytes. Without a
+  secret the ring logs once that it is unauthenticated.
 * **When**: the ring connects at the first all-reduce (the first training
   step), within ``socket_connect_timeout_seconds``; after that a peer that
   sends nothing for ``socket_timeout_seconds`` is declared lost, and one
@@ -154,20 +162,33 @@ def _host(address: str) -> str:
   return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
-def ring_for(strategy, *, connect_timeout_s: float,
-             timeout_s: float) -> ring_lib.SocketRing | None:
+def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
+             secret: str | None = None, ports: str | None = None,
+             authenticate_values: bool = False
+             ) -> ring_lib.SocketRing | None:
   """The ring of ``strategy``'s workers (made once, connected lazily).
+
+  Args:
+    strategy: the strategy whose workers all-reduce.
+    connect_timeout_s: bound on connecting the ring.
+    timeout_s: a peer silent this long is lost.
+    secret: the job's secret; ``TFDIST_JOB_SECRET`` when ``None``.
+    ports: ``"FIRST-LAST"`` to listen on; ``TFDIST_RING_PORTS`` when
+      ``None``.
+    authenticate_values: tag every step's bytes too.
 
   Returns:
     ``None`` when the strategy has a single replica.
 
   Raises:
-    ConfigError: a strategy the socket transport cannot serve.
+    ConfigError: a strategy the socket transport cannot serve, malformed
+      ``ports``, or ``authenticate_values`` without a secret.
   """
   global _ring_count, _atexit_registered
   if not check_strategy(strategy):
     return None
-  cache_key = (id(strategy), float(connect_timeout_s), float(timeout_s))
+  cache_key = (id(strategy), float(connect_timeout_s), float(timeout_s),
+               secret, ports, authenticate_values)
   with _lock:
     entry = _rings.get(cache_key)
     if entry is not None and entry[0]() is strategy:
@@ -181,7 +202,8 @@ def ring_for(strategy, *, connect_timeout_s: float,
         rank=rank, hosts=hosts, names=names,
         rendezvous=_CoordinationRendezvous(), key=key,
         connect_timeout_s=connect_timeout_s, timeout_s=timeout_s,
-        source=f"{_SOURCE}, cluster resolver")
+        source=f"{_SOURCE}, cluster resolver", secret=secret, ports=ports,
+        authenticate_values=authenticate_values)
     _rings[cache_key] = (weakref.ref(strategy), ring)
     if not _atexit_registered:
       atexit.register(close_transports)
@@ -212,7 +234,9 @@ def _signature(grads: Sequence[tf.Tensor]) -> int:
 @tf.autograph.experimental.do_not_convert
 def socket_all_reduce(grads: Sequence[Any], *, compression: str,
                       connect_timeout_s: float, timeout_s: float,
-                      fallback) -> list[Any]:
+                      fallback, secret: str | None = None,
+                      ports: str | None = None,
+                      authenticate_values: bool = False) -> list[Any]:
   """Sums ``grads`` over the workers through the socket ring.
 
   Call in a replica context, with the gradients of one step in the same order
@@ -225,13 +249,18 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
     timeout_s: a peer silent this long is lost.
     fallback: ``fallback(list_of_tensors)`` sums tensors the ring does not
       carry (not float32/float16/bfloat16) with TensorFlow's collectives.
+    secret: the job's secret; ``TFDIST_JOB_SECRET`` when ``None``.
+    ports: ``"FIRST-LAST"`` to listen on; ``TFDIST_RING_PORTS`` when
+      ``None``.
+    authenticate_values: tag every step's bytes too.
 
   Returns:
     The summed gradients, dense, each in its gradient's dtype.
   """
   strategy = tf.distribute.get_strategy()
   ring = ring_for(strategy, connect_timeout_s=connect_timeout_s,
-                  timeout_s=timeout_s)
+                  timeout_s=timeout_s, secret=secret, ports=ports,
+                  authenticate_values=authenticate_values)
   dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
            for g in grads]
   if ring is None:

@@ -5,11 +5,15 @@
 | cluster                                   | local devices | strategy                |
 |-------------------------------------------|---------------|-------------------------|
 | a TPU (``tpu=`` or detected)              | any           | ``tpu``                 |
-| has ``ps`` tasks                          | any           | ``parameter_server``    |
+| has ``ps`` tasks (not on the evaluator)   | any           | ``parameter_server``    |
 | more than one chief/worker task           | any           | ``multi_worker_mirrored`` |
 | one process                               | 2 or more GPUs| ``mirrored``            |
 | one process                               | 1 GPU         | ``one_device`` (GPU 0)  |
 | one process                               | CPU only      | ``default``             |
+
+The evaluator task is one process beside the training cluster: it gets a
+one-process row, and `tfdist.is_chief` is False there (it never writes
+training state).
 
 The names and the options each builder takes come from `catalog.CATALOG`;
 this module holds the builders, which need TensorFlow.
@@ -31,6 +35,7 @@ from tfdist.cluster import resolver as resolver_lib
 from tfdist.cluster.info import ClusterInfo
 from tfdist.errors import ConfigError, StartupTimeoutError
 from tfdist.strategy import catalog
+from tfdist.strategy import introspect
 from tfdist.strategy import options as opts
 from tfdist.strategy import server as server_lib
 from tfdist.strategy import startup as startup_lib
@@ -224,7 +229,7 @@ def choose_strategy(info: ClusterInfo,
   """
   if info.source == "tpu":
     return "tpu", f"a TPU was found: {info.origin}"
-  if info.num_ps:
+  if info.num_ps and info.task_type != "evaluator":
     return "parameter_server", f"the cluster has {info.num_ps} ps task(s)"
   if info.num_workers > 1 and info.task_type in ("chief", "worker"):
     return ("multi_worker_mirrored",
@@ -274,6 +279,9 @@ def make_strategy(name: str = "auto", *,
   """
   # Every strategy tfdist builds runs Keras 3's trainer with its corrections.
   keras_compat.apply()
+  # From here until training watches signals, nothing can be saved: SIGTERM
+  # and SIGUSR1 exit 42 at once, saying so.
+  startup_lib.install_stop_handlers()
   if name not in STRATEGY_NAMES:
     raise ConfigError(field="strategy", value=name, source="make_strategy",
                       expected=f"one of {list(STRATEGY_NAMES)}")
@@ -286,7 +294,10 @@ def make_strategy(name: str = "auto", *,
   built = options_for(name, options)
   if catalog.CATALOG[name].one_process:
     _single_process_only(name, info)
-  return _BUILDERS[name](built, info)
+  strategy = _BUILDERS[name](built, info)
+  startup_lib.install_stop_handlers()  # TensorFlow may have set its own.
+  introspect.record_task(strategy, info)
+  return strategy
 
 
 def _spec(name: str) -> catalog.StrategySpec:
@@ -307,8 +318,11 @@ def _check_options(name: str, values: Mapping[str, Any]) -> None:
 
 
 def _single_process_only(name: str, info: ClusterInfo) -> None:
-  """Refuses a `catalog` ``one_process`` strategy inside a cluster."""
-  if info.num_workers > 1 or info.num_ps:
+  """Refuses a `catalog` ``one_process`` strategy inside a cluster.
+
+  The evaluator is one process beside the training cluster: any fits it.
+  """
+  if info.task_type != "evaluator" and (info.num_workers > 1 or info.num_ps):
     raise ConfigError(
         field="strategy", value=name, source=info.origin,
         expected="a single-process strategy only without a multi-task cluster",

@@ -7,16 +7,30 @@ quirks of reading a strategy's cluster are written once.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import tensorflow as tf
 
+from tfdist.cluster.info import ClusterInfo
 from tfdist.cluster.info import is_chief_task
 
 __all__ = ["task_of", "is_chief", "is_parameter_server", "num_workers",
-           "num_input_workers"]
+           "num_input_workers", "record_task"]
 
 _PSS = tf.distribute.experimental.ParameterServerStrategy
+# The task a one-process strategy was built for (it has no resolver to ask):
+# an evaluator, or a worker that opted out with "default", is not the chief.
+_BUILT_FOR: "weakref.WeakKeyDictionary[tf.distribute.Strategy, tuple]" = (
+    weakref.WeakKeyDictionary())
+
+
+def record_task(strategy: tf.distribute.Strategy, info: ClusterInfo) -> None:
+  """Remembers the task ``strategy`` was built for (`make_strategy` does).
+
+  The default strategy is one object per process: the last record wins.
+  """
+  _BUILT_FOR[strategy] = (info.task_type, info.task_id, dict(info.cluster))
 
 
 def is_parameter_server(strategy: tf.distribute.Strategy) -> bool:
@@ -48,11 +62,15 @@ def is_chief(strategy: tf.distribute.Strategy) -> bool:
 
   That is the single process, the ``chief`` task (the coordinator under
   ParameterServerStrategy, the only task that runs training code there), or
-  worker 0 when the cluster has no chief.
+  worker 0 when the cluster has no chief; never the evaluator. A one-process
+  strategy answers for the task `tfdist.make_strategy` built it for.
   """
   if is_parameter_server(strategy):
     return True
-  return is_chief_task(*task_of(strategy))
+  task = task_of(strategy)
+  if task[0] is None:
+    task = _BUILT_FOR.get(strategy, task)
+  return is_chief_task(*task)
 
 
 def num_workers(strategy: tf.distribute.Strategy) -> int:

@@ -12,6 +12,7 @@ One module per job:
 | `runner`         | `Runner`, `RunnerOptions`: an Orbit-style custom loop       |
 | `steps`          | `supervised_step`, `scaled_loss`: per-replica steps         |
 | `checkpoints`    | the one chief-aware save; restoring the newest readable     |
+| `ownership`      | a backup directory's owner record; what tfdist may remove   |
 | `chief`          | `write_dir`: the chief writes the real path, others a temp  |
 | `callbacks`      | `chief_aware` Keras callbacks; `save_model` from the chief  |
 | `preemption`     | `PreemptionWatcher`: SIGTERM/SIGUSR1, agreed by all workers |

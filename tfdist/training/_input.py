@@ -18,6 +18,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from tfdist.data import batching
+from tfdist.data import feed
 from tfdist.data.feed import DatasetFn
 from tfdist.errors import ConfigError
 
@@ -49,10 +50,10 @@ def per_worker_iterator(coordinator: tf.distribute.coordinator.ClusterCoordinato
       lambda: strategy.distribute_datasets_from_function(dataset_fn)))
 
 
-def check_steps(steps: Any, what: str) -> None:
+def check_steps(steps: Any, what: str, *, source: str = _SOURCE) -> None:
   """Raises ConfigError unless ``steps`` is a positive integer."""
   if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-    raise ConfigError(field="steps_per_epoch", value=steps, source=_SOURCE,
+    raise ConfigError(field="steps_per_epoch", value=steps, source=source,
                       expected=f"a positive integer for {what}")
 
 
@@ -86,11 +87,14 @@ class Stream:
         ParameterServerStrategy).
     """
     replicas = strategy.num_replicas_in_sync
+    if steps_per_epoch is not None:  # Keras loops forever on one below 1.
+      check_steps(steps_per_epoch, "an epoch to end")
     if callable(x) and not isinstance(x, tf.data.Dataset):
       if y is not None:
         raise ConfigError(field="y", value=type(y).__name__, source=_SOURCE,
                           expected="no y with a dataset function")
       check_steps(steps_per_epoch, "a dataset function")
+      x = feed.checked(x, field="x", source=_SOURCE)
       return cls(steps_per_epoch=steps_per_epoch, dataset_fn=x,
                  make=lambda skip: strategy.distribute_datasets_from_function(
                      skipping(x, skip)))

@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist.data import feed
 from tfdist.data.feed import DatasetFn
 from tfdist.errors import ConfigError
 from tfdist.training import _input
@@ -115,8 +116,9 @@ def _validate(model, coordinator, test_fn, data, steps) -> dict[str, float]:
                                "ParameterServerStrategy")
   _input.check_steps(steps, "validation under ParameterServerStrategy")
   model.reset_metrics()
-  iterator = _input.per_worker_iterator(coordinator,
-                                        model.distribute_strategy, data)
+  iterator = _input.per_worker_iterator(
+      coordinator, model.distribute_strategy,
+      feed.checked(data, field="validation_data", source=_SOURCE))
   for _ in range(steps):
     coordinator.schedule(test_fn, args=(iterator,))
   coordinator.join()

@@ -15,7 +15,12 @@ the position (epoch, step within the epoch):
   twice (Keras 3.15's own callback resumes at epoch starts and re-applies the
   steps of a partial epoch: with ``save_freq=1``, a SIGKILL mid-epoch led to
   14 optimizer iterations where 12 were due);
-* the backup is removed when training completes.
+* the backup directory belongs to one job: the chief records the model's
+  structure and the cluster in it (`tfdist.training.ownership`) and another
+  job's, or a directory of other files, is refused before anything is read
+  or written; every worker agrees on the restored position before training;
+* when training completes, what tfdist wrote there is removed, and nothing
+  else.
 
 Exact resume needs an input that gives the same batches in the same order on
 every run: a dataset shuffled with a seed, or arrays with ``shuffle=False``
@@ -28,15 +33,16 @@ every run: a dataset shuffled with a seed, or arrays with ``shuffle=False``
 
 from __future__ import annotations
 
-import shutil
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
-from tfdist.strategy import introspect
+from tfdist.training import _input
 from tfdist.training import checkpoints as checkpoints_lib
+from tfdist.training import chief as chief_lib
+from tfdist.training import ownership
 from tfdist.training import preemption as preemption_lib
 
 __all__ = ["BackupAndRestore"]
@@ -60,7 +66,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     Args:
       backup_dir: where the chief keeps the backup; shared by all runs of one
-        job (a restart must find it).
+        job (a restart must find it) and by no other job. A relative path is
+        read against the working directory now.
       save_freq: ``"epoch"`` to back up at epoch ends only, or ``N`` to also
         back up every ``N`` steps within an epoch.
       delete_checkpoint: remove the backup when training completes, as
@@ -79,7 +86,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                                  or save_freq < 1):
       raise ConfigError(field="save_freq", value=save_freq, source=_SOURCE,
                         expected='"epoch" or a positive number of steps')
-    self._directory = backup_dir
+    self._directory = chief_lib.absolute(backup_dir)
     self._every = None if save_freq == "epoch" else save_freq
     self._delete = delete_checkpoint
     self._offset = 0  # Steps of the epoch applied before this fit call.
@@ -96,7 +103,7 @@ class BackupAndRestore(keras.callbacks.Callback):
   def manage(self, model: keras.Model, *, steps_per_epoch: int) -> None:
     """For ``tfdist.fit``: it restores, skips input and watches signals."""
     self._managed = True
-    self._steps = steps_per_epoch
+    self._steps = _check_steps(steps_per_epoch)
     self.set_model(model)
 
   def begin(self, watcher: preemption_lib.PreemptionWatcher | None) -> None:
@@ -116,20 +123,46 @@ class BackupAndRestore(keras.callbacks.Callback):
     return self._watcher is not None and self._watcher.should_stop()
 
   def restore(self) -> tuple[int, int] | None:
-    """Restores the newest readable backup; returns its ``(epoch, step)``.
+    """Claims the directory, restores the newest readable backup.
+
+    Every worker takes part; they agree on the position before it is
+    returned (`tfdist.training.checkpoints.agreed`).
+
+    Returns:
+      The restored ``(epoch, step)``, or ``None`` when there was no backup.
 
     Raises:
+      ConfigError: another job's directory, or one the chief cannot write;
+        workers that restored different positions; a saved step that the
+        ``steps_per_epoch`` of this run does not reach.
       CheckpointError: the directory holds backups and none is readable.
     """
+    strategy = self.model.distribute_strategy
+    return checkpoints_lib.agreed(strategy, self._restore_here,
+                                  directory=self._directory,
+                                  field="backup_dir", source=_SOURCE)
+
+  def _restore_here(self) -> tuple[int, int] | None:
+    model = self.model
+    strategy = model.distribute_strategy
+    ownership.claim(self._directory,
+                    ownership.owner_of(model.weights, strategy),
+                    strategy=strategy, field="backup_dir", source=_SOURCE)
     if not checkpoints_lib.candidates(self._directory):
       return None
     checkpoint = self._ensure_checkpoint()
-    model = self.model
-    with model.distribute_strategy.scope():
+    with strategy.scope():
       if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
     checkpoints_lib.restore_latest(checkpoint, self._directory)
     epoch, step = (int(v) for v in self._position.numpy())
+    if self._steps is not None and step >= self._steps:
+      raise ConfigError(
+          field="steps_per_epoch", value=self._steps, source=_SOURCE,
+          expected=f"more than {step}: the backup in {self._directory} was "
+                   f"saved {step} steps into epoch {epoch}",
+          hint="Pass the steps_per_epoch of the run that saved it, or a new "
+               "backup_dir to start fresh")
     return epoch, step
 
   def due(self, done_in_epoch: int) -> bool:
@@ -148,8 +181,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
   def finished(self) -> None:
     """Training completed: the backup is no longer needed."""
-    if self._delete and introspect.is_chief(self.model.distribute_strategy):
-      shutil.rmtree(self._directory, ignore_errors=True)
+    if self._delete:
+      ownership.release(self._directory, self.model.distribute_strategy)
 
   # --- Keras callback hooks --------------------------------------------------
 
@@ -164,7 +197,8 @@ class BackupAndRestore(keras.callbacks.Callback):
           expected="a synchronous strategy: Keras 3's Model.fit does not run "
                    "under ParameterServerStrategy",
           hint="Use tfdist.fit(model, dataset_fn, backup_dir=...)")
-    self._steps = self.params.get("steps") if self.params else None
+    self._steps = _check_steps(self.params.get("steps") if self.params
+                               else None)
     restored = self.restore()
     if restored is not None:
       epoch, step = restored
@@ -244,3 +278,10 @@ class BackupAndRestore(keras.callbacks.Callback):
       return {}
 
     model.train_function = skipping
+
+
+def _check_steps(steps: Any) -> int | None:
+  """``steps`` per epoch, unless it would never end an epoch."""
+  if steps is not None:
+    _input.check_steps(steps, "an epoch to end", source=_SOURCE)
+  return steps

@@ -78,37 +78,96 @@ def save_model(model: keras.Model, path: str,
   """Saves ``model`` (``.keras`` file or SavedModel directory) from the chief.
 
   Every worker runs the save (reading distributed variables can be a
-  collective); the chief writes to a temporary sibling and renames it onto
-  ``path``, so a reader never sees a half-written export. Other workers write
-  into a temporary directory that is removed.
+  collective); the chief writes into a temporary directory beside ``path``
+  and renames the result onto it, so a reader never sees a half-written
+  export. Other workers write into a temporary directory that is removed.
+
+  Nothing is removed or overwritten that this process did not write: a
+  ``path`` that exists (a file, or a directory with anything in it), the
+  working directory or one of its parents is refused on every worker before
+  anything is written. Saving again to a path saved by this process
+  replaces that export.
 
   Args:
     model: the model.
-    path: a ``.keras`` file, or a SavedModel directory for serving.
+    path: a ``.keras`` file, or a SavedModel directory for serving; a
+      relative path is read against the working directory, a trailing ``/``
+      changes nothing.
     strategy: the strategy the model was built under; the model's own by
       default.
 
   Returns:
     ``path`` on the chief, ``None`` elsewhere.
+
+  Raises:
+    ConfigError: ``path`` exists and was not written by this process, or it
+      is the working directory or one of its parents.
   """
   strategy = (strategy or getattr(model, "distribute_strategy", None)
               or tf.distribute.get_strategy())
-  is_keras = os.fspath(path).endswith(".keras")
-  with chief_lib.write_dir(os.path.dirname(os.path.abspath(path)),
-                           strategy) as directory:
+  final = chief_lib.absolute(path)
+  _check_free(final, path)
+  name = os.path.basename(final)
+  with chief_lib.write_dir(os.path.dirname(final), strategy) as directory:
     os.makedirs(directory, exist_ok=True)
-    name = os.path.basename(path)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=directory)
     try:
       target = os.path.join(tmp, name)
-      if is_keras:
+      if final.endswith(".keras"):
         model.save(target)
       else:
         model.export(target)
-      final = os.path.join(directory, name)
-      if os.path.isdir(final) and not is_keras:
-        shutil.rmtree(final)
-      os.replace(target, final)
+      _publish(target, os.path.join(directory, name), tmp, path)
     finally:
       shutil.rmtree(tmp, ignore_errors=True)
-  return path if introspect.is_chief(strategy) else None
+  if not introspect.is_chief(strategy):
+    return None
+  _SAVED.add(final)
+  return path
+
+
+# Exports this process wrote: the only existing paths save_model replaces.
+_SAVED: set[str] = set()
+
+
+def _check_free(final: str, given: str) -> None:
+  """Raises ConfigError unless save_model may write ``final``."""
+  cwd = os.getcwd()
+  if os.path.commonpath([final, cwd]) == final:
+    raise ConfigError(
+        field="path", value=given, source="tfdist.save_model",
+        expected="a new file or directory: this is the working directory or "
+                 "one of its parents",
+        hint="Name a new directory inside it, e.g. "
+             f"{os.path.join(given, 'model')!r}")
+  if final in _SAVED or not os.path.lexists(final):
+    return
+  if os.path.isdir(final) and not os.path.islink(final) and not os.listdir(
+      final):
+    return  # An empty directory: nothing to lose.
+  raise ConfigError(
+      field="path", value=given, source="tfdist.save_model",
+      expected="a path that does not exist yet, or an empty directory: "
+               f"{final} holds what this process did not write",
+      hint="Save to a new path, or move or delete the old one yourself; "
+           "tfdist never removes what it did not write")
+
+
+def _publish(target: str, final: str, tmp: str, given: str) -> None:
+  """Moves ``target`` onto ``final``; never replaces another's files."""
+  if os.path.lexists(final) and final in _SAVED:  # This process wrote it.
+    if not os.path.isdir(target):
+      os.replace(target, final)
+      return
+    os.replace(final, os.path.join(tmp, "previous"))  # Removed with tmp.
+  try:
+    if os.path.isdir(target):
+      os.rename(target, final)  # Fails on a directory with anything in it.
+    else:
+      os.link(target, final)  # Fails on any existing file.
+  except OSError as e:
+    raise ConfigError(
+        field="path", value=given, source="tfdist.save_model",
+        expected="a path nothing else writes at the same time",
+        hint=f"Renaming the export onto it failed: {e.strerror or e}"
+        ) from None

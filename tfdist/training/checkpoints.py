@@ -12,6 +12,8 @@ state file naming only finished checkpoints. `restore_latest` restores the
 newest of those; when it is unreadable (truncated or corrupt files) it falls
 back to the one before, and when the directory holds checkpoints but none can
 be read it raises `tfdist.CheckpointError` rather than start over.
+`agreed` runs a restore on every worker and makes them agree on the position
+restored before training starts.
 """
 
 from __future__ import annotations
@@ -19,15 +21,21 @@ from __future__ import annotations
 import glob
 import os
 import re
+from typing import Callable
 
 from absl import logging
 import tensorflow as tf
 
 from tfdist.errors import CheckpointError
+from tfdist.errors import ConfigError
+from tfdist.errors import TfdistError
 from tfdist.strategy import introspect
 from tfdist.training import chief as chief_lib
 
-__all__ = ["save", "restore_latest", "candidates"]
+__all__ = ["save", "restore_latest", "candidates", "agreed"]
+
+#: A restored position: numbers every worker must agree on.
+Position = tuple[int, ...]
 
 
 def save(checkpoint: tf.train.Checkpoint, directory: str, *,
@@ -46,7 +54,7 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *,
   Returns:
     The saved prefix on the chief, ``None`` on other workers.
   """
-  with chief_lib.write_dir(directory, strategy) as target:
+  with chief_lib.write_dir(chief_lib.absolute(directory), strategy) as target:
     manager = tf.train.CheckpointManager(checkpoint, target,
                                          max_to_keep=max_to_keep)
     path = manager.save(checkpoint_number=number)
@@ -55,6 +63,7 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *,
 
 def candidates(directory: str) -> list[str]:
   """Checkpoint prefixes in ``directory``, newest first."""
+  directory = chief_lib.absolute(directory)
   paths: list[str] = []
   try:
     state = tf.train.get_checkpoint_state(directory)
@@ -62,9 +71,8 @@ def candidates(directory: str) -> list[str]:
     logging.warning("tfdist: unreadable checkpoint state in %s: %s",
                     directory, e)
     state = None
-  if state is not None:
-    paths = [p if os.path.isabs(p) else os.path.join(directory, p)
-             for p in state.all_model_checkpoint_paths]
+  if state is not None:  # TensorFlow joined relative paths to directory.
+    paths = list(state.all_model_checkpoint_paths)
     if state.model_checkpoint_path and not paths:
       paths = [state.model_checkpoint_path]
   if not paths:  # No state file: finished saves still have an .index file.
@@ -92,6 +100,7 @@ def restore_latest(checkpoint: tf.train.Checkpoint, directory: str | None, *,
   """
   if not directory or not tf.io.gfile.isdir(directory):
     return None
+  directory = chief_lib.absolute(directory)
   paths = candidates(directory)
   if not paths:
     return None
@@ -115,6 +124,73 @@ def restore_latest(checkpoint: tf.train.Checkpoint, directory: str | None, *,
       f"no checkpoint in {directory} could be restored ({'; '.join(failures)})."
       " Training will not start over silently: restore the directory from a "
       "copy, or remove it to train from scratch")
+
+
+def agreed(strategy: tf.distribute.Strategy,
+           restore: Callable[[], Position | None], *, directory: str,
+           field: str, source: str) -> Position | None:
+  """Runs ``restore`` on every worker; they agree on its result or all fail.
+
+  Under MultiWorkerMirroredStrategy with several workers, each worker's
+  outcome (failed, nothing restored, or the position) is gathered in one
+  collective, bounded by the strategy's collective timeout. A worker that
+  restored another position than its peers (say, its ``directory`` is not the
+  chief's: no shared filesystem) would train on a different step and hang
+  or diverge, so every worker raises instead; a worker whose own restore
+  failed raises its error and its peers say so.
+
+  Args:
+    strategy: the strategy training runs under.
+    restore: restores this worker's state; returns the position (at most
+      two numbers) or ``None`` when there was nothing to restore.
+    directory: the directory restored from, for messages.
+    field: its argument name, e.g. ``"backup_dir"``.
+    source: where it was given, e.g. ``"tfdist.fit"``.
+
+  Returns:
+    What ``restore`` returned, the same on every worker.
+
+  Raises:
+    TfdistError: ``restore``'s own error on the worker it happened on;
+      `tfdist.ConfigError` on its peers and on workers that disagree.
+  """
+  error = None
+  try:
+    position = restore()
+  except TfdistError as e:
+    error, position = e, None
+  if not (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+          and introspect.num_workers(strategy) > 1):
+    if error is not None:
+      raise error
+    return position
+  padded = [0, 0] if position is None else [*position, 0, 0][:2]
+  mine = [float(error is not None), float(position is not None), *padded]
+  rows = {tuple(int(v) for v in row) for row in _gather(strategy, mine)}
+  if error is not None:
+    raise error
+  if any(row[0] for row in rows):
+    raise ConfigError(field=field, value=directory, source=source,
+                      expected="a directory every worker restores from",
+                      hint="Another worker failed to restore from it; its "
+                           "error says why")
+  if len(rows) > 1:
+    seen = sorted("nothing" if not row[1] else f"position {list(row[2:])}"
+                  for row in rows)
+    raise ConfigError(
+        field=field, value=directory, source=source,
+        expected="the same saved position on every worker: one directory "
+                 "all workers read (a shared filesystem)",
+        hint=f"The workers restored {', '.join(seen)}")
+  return position
+
+
+def _gather(strategy: tf.distribute.Strategy, values: list[float]) -> list:
+  """Every replica's ``values``, gathered on every worker."""
+  @tf.function
+  def gather(value):
+    return strategy.gather(strategy.run(tf.identity, args=(value,)), axis=0)
+  return gather(tf.constant([values], tf.float64)).numpy().tolist()
 
 
 def _number(path: str) -> int:

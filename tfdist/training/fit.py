@@ -68,8 +68,8 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
     y: targets when ``x`` holds arrays.
     batch_size: the global batch size for arrays (32 by default).
     epochs: as in ``Model.fit``.
-    steps_per_epoch: steps per epoch; needed for a ``dataset_fn`` and an
-      infinite dataset.
+    steps_per_epoch: steps per epoch, a positive integer; needed for a
+      ``dataset_fn`` and an infinite dataset.
     callbacks: Keras callbacks; path-writing ones are made chief-aware.
     validation_data: as in ``Model.fit``; under ParameterServerStrategy a
       dataset or ``dataset_fn`` with ``validation_steps``.
@@ -79,8 +79,10 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
       and the epoch, so a resumed run sees the same order.
     seed: the shuffle seed for arrays.
     initial_epoch: as in ``Model.fit``.
-    backup_dir: fault-tolerant resume from this directory. With it, SIGTERM
-      or SIGUSR1 makes every worker save at the same step and raise
+    backup_dir: fault-tolerant resume from this directory (a relative path
+      is read against the working directory). It belongs to this job: one
+      holding another job's backup or other files is refused. With it,
+      SIGTERM or SIGUSR1 makes every worker save at the same step and raise
       `tfdist.PreemptedError` (exit code 42 when uncaught); see
       docs/fault_tolerance.md.
     backup_every_steps: also back up every this many steps inside an epoch;
@@ -93,16 +95,23 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
 
   Raises:
     ConfigError: input or options that cannot serve the strategy, e.g. a
-      plain dataset under ParameterServerStrategy, or an unbatched dataset
-      that must be split over replicas.
+      plain dataset under ParameterServerStrategy, an unbatched dataset that
+      must be split over replicas, a ``dataset_fn`` that returns no dataset,
+      a count that would never end an epoch (``steps_per_epoch`` < 1, a
+      negative ``initial_epoch``, a ``steps_per_epoch`` the saved step is
+      not below), or a ``backup_dir`` of another job.
     PreemptedError: a preemption signal came; the backup holds the step.
     WorkerLostError: a peer died or stopped answering mid-training.
     CheckpointError: ``backup_dir`` holds backups and none is readable.
   """
   strategy = model.distribute_strategy
-  if not isinstance(epochs, int) or epochs < 1:
+  if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
     raise ConfigError(field="epochs", value=epochs, source=_SOURCE,
                       expected="a positive integer")
+  if (not isinstance(initial_epoch, int) or isinstance(initial_epoch, bool)
+      or initial_epoch < 0):
+    raise ConfigError(field="initial_epoch", value=initial_epoch,
+                      source=_SOURCE, expected="an integer >= 0")
   if backup_every_steps is not None and (
       not isinstance(backup_every_steps, int) or backup_every_steps < 1):
     raise ConfigError(field="backup_every_steps", value=backup_every_steps,

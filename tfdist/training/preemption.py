@@ -1,10 +1,12 @@
-"""Preemption: on SIGTERM or SIGUSR1, every worker saves at one step and exits.
+"""Stop signals: every worker saves at one step and exits with the signal's code.
 
 TensorFlow catches SIGTERM in multi-worker processes and carries on training
 (measured with TensorFlow 2.21: a worker sent SIGTERM mid-fit ignored it and
-trained to the end), and SLURM's ``--signal=USR1@N`` is nothing it knows.
-`PreemptionWatcher` installs Python handlers for both signals once the strategy
-exists (replacing TensorFlow's), and only records that a signal came. At each
+trained to the end), SLURM's ``--signal=USR1@N`` is nothing it knows, and
+Ctrl-C (SIGINT) raises KeyboardInterrupt wherever the loop happens to be.
+`PreemptionWatcher` installs Python handlers for the stop signals
+(`tfdist.errors.STOP_SIGNALS`: SIGTERM, SIGUSR1, SIGINT) once training
+starts (replacing TensorFlow's), and only records that a signal came. At each
 step boundary the training loop asks `PreemptionWatcher.should_stop`:
 
 * under MultiWorkerMirroredStrategy the workers agree with one all-reduce of
@@ -12,16 +14,26 @@ step boundary the training loop asks `PreemptionWatcher.should_stop`:
   worker got it (SLURM signals every task; a cloud preemption may hit one
   node). That all-reduce costs a few milliseconds (6 ms measured on loopback,
   as much as a small model's step), so it runs about once per
-  ``check_seconds`` (1 s), not every step: each agreement also averages the
-  workers' step times, and every worker derives the same number of steps to
-  the next agreement from that one figure;
+  ``check_seconds`` (1 s), not every step: each agreement also sums the
+  workers' time per call since the previous agreement, and every worker
+  derives the same number of calls to the next agreement from that one
+  figure, at most doubling it each time (so a short span between two calls
+  cannot push the next agreement out of reach);
 * elsewhere (one process, or the ParameterServerStrategy coordinator) the
   local flag decides.
 
 The loop then saves its checkpoint at that step and raises
-`tfdist.PreemptedError`, a `SystemExit` with code 42
-(`tfdist.errors.PREEMPTED_EXIT_CODE`): uncaught, the process ends with that
-code and no traceback, and a restart resumes at the saved step.
+`tfdist.PreemptedError`, a `SystemExit` with the signal's code: 42
+(`tfdist.errors.PREEMPTED_EXIT_CODE`) for SIGTERM and SIGUSR1, 130 for
+SIGINT; when workers got different signals, 42 wins (the job is being taken
+away and must be restarted). Uncaught, the process ends with that code and no
+traceback, and a restart resumes at the saved step.
+
+Once a signal came, a SIGINT ends the process at once (killed by SIGINT, 130
+in a shell): a second Ctrl-C does not wait for the save. A second SIGTERM or
+SIGUSR1 is only logged. A signal is never lost: if training ends before the
+workers agreed on it, leaving the watcher raises `PreemptedError` with the
+signal's code (nothing more saved; the run's own saves stand).
 
 ``tfdist.fit`` (with ``backup_dir``) and `tfdist.Runner` (with a
 ``checkpoint_dir``) use it; a custom loop can too::
@@ -46,15 +58,39 @@ import tensorflow as tf
 
 from tfdist.errors import PREEMPTED_EXIT_CODE
 from tfdist.errors import PREEMPTION_SIGNALS
+from tfdist.errors import STOP_SIGNALS
 from tfdist.errors import PreemptedError
 from tfdist.strategy import introspect
+from tfdist.strategy import startup
 
-__all__ = ["PreemptionWatcher", "PREEMPTION_SIGNALS", "PREEMPTED_EXIT_CODE"]
+__all__ = ["PreemptionWatcher", "PREEMPTION_SIGNALS", "PREEMPTED_EXIT_CODE",
+           "STOP_SIGNALS"]
 
 #: How often, in training time, MultiWorkerMirrored workers agree by default.
 DEFAULT_CHECK_SECONDS = 1.0
 #: The most steps between two agreements, however fast the steps.
 MAX_CHECK_INTERVAL = 1000
+# The exit codes in the order they win an agreement: preemption first.
+_CODES = tuple(sorted(set(STOP_SIGNALS.values())))
+
+
+def next_interval(previous: int, seconds_per_call: float | None,
+                  check_seconds: float) -> int:
+  """Calls to the next agreement: about ``check_seconds`` of training.
+
+  Args:
+    previous: the calls between the last two agreements.
+    seconds_per_call: the mean time per call since the last agreement;
+      ``None`` or 0 when not measured yet (the first agreement).
+    check_seconds: the wanted time between agreements.
+
+  Returns:
+    At least 1, at most twice ``previous`` and at most `MAX_CHECK_INTERVAL`.
+  """
+  if not seconds_per_call or seconds_per_call <= 0:
+    return 1
+  return max(1, min(MAX_CHECK_INTERVAL, 2 * previous,
+                    int(check_seconds / seconds_per_call)))
 
 
 class PreemptionWatcher:
@@ -66,13 +102,13 @@ class PreemptionWatcher:
   """
 
   def __init__(self, strategy: tf.distribute.Strategy, *,
-               signals: Sequence[int] = PREEMPTION_SIGNALS,
+               signals: Sequence[int] = tuple(STOP_SIGNALS),
                check_seconds: float = DEFAULT_CHECK_SECONDS):
     """Creates the watcher.
 
     Args:
       strategy: the strategy training runs under.
-      signals: the signals that mean "save and stop".
+      signals: the signals that mean "save and stop", among `STOP_SIGNALS`.
       check_seconds: across workers, agree about this often (in training
         time); a signal is acted on within about this long plus one step.
         0 agrees at every step.
@@ -81,15 +117,17 @@ class PreemptionWatcher:
     self._signals = tuple(signals)
     self._received: int | None = None
     self._stop = False
+    self._code = PREEMPTED_EXIT_CODE
     self._previous: dict[int, object] = {}
     self._agree_fn = None
     self._collective = isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
             introspect.num_workers(strategy) > 1)
     self._check_seconds = check_seconds
-    self._until_check = 1  # Steps to the next agreement; the first is next.
+    self._interval = 1  # Calls between the last two agreements.
+    self._until_check = 1  # Calls to the next agreement; the first is next.
     self._since_check = 0
-    self._last_check = time.monotonic()
+    self._last_check: float | None = None  # None: no agreement yet.
 
   def __enter__(self) -> "PreemptionWatcher":
     if threading.current_thread() is threading.main_thread():
@@ -97,18 +135,30 @@ class PreemptionWatcher:
         self._previous[signum] = signal.signal(signum, self._on_signal)
     return self
 
-  def __exit__(self, *exc) -> None:
+  def __exit__(self, exc_type=None, *exc) -> None:
     if self._stop:
-      # Preempted: the process is on its way out with code 42. A second
-      # signal (srun, a launcher stopping the other tasks) is only logged,
-      # so it cannot turn that exit into "killed by SIGTERM".
+      # Stopping: the process is on its way out with the signal's code. A
+      # second SIGTERM/SIGUSR1 (srun, a launcher stopping the other tasks)
+      # is only logged, so it cannot turn that exit into "killed by SIGTERM".
       return
     for signum, previous in self._previous.items():
+      if isinstance(previous, startup.StopBeforeTraining):
+        previous = previous.previous  # What was there before tfdist.
       # A handler TensorFlow set in C++ reads as None: fall back to the
       # default action, which at least ends the process.
       signal.signal(signum, previous if previous is not None
                     else signal.SIG_DFL)
     self._previous.clear()
+    if self._received is not None and exc_type is None:
+      # Training ended before the workers agreed on the signal: its
+      # contract still holds, with nothing more saved.
+      name = signal.Signals(self._received).name
+      error = PreemptedError(
+          step=None, signal_name=name,
+          where="it came after the last agreed step; training had finished "
+                "and its own saves stand")
+      logging.warning("tfdist: %s", error)
+      raise error
 
   @property
   def signal_name(self) -> str:
@@ -122,45 +172,61 @@ class PreemptionWatcher:
     if self._received is None:
       logging.warning("tfdist: %s received: saving at the next step, then "
                       "exiting with code %d", signal.Signals(signum).name,
-                      PREEMPTED_EXIT_CODE)
-    self._received = signum
+                      STOP_SIGNALS.get(signum, PREEMPTED_EXIT_CODE))
+      self._received = signum
+    elif STOP_SIGNALS.get(signum) == PREEMPTED_EXIT_CODE:
+      self._received = signum  # Preemption wins over an earlier SIGINT.
+    if signal.SIGINT in self._signals:
+      # From now on Ctrl-C ends the process at once, killed by SIGINT (130
+      # in a shell), without waiting for the save.
+      signal.signal(signal.SIGINT, signal.SIG_DFL)
 
   def should_stop(self) -> bool:
     """Call once per step: True once any worker got a signal.
 
     Every worker gets the same answer at the same step (under
-    MultiWorkerMirroredStrategy it comes from an agreement every few steps).
+    MultiWorkerMirroredStrategy it comes from an agreement every few calls).
     """
     if self._stop:
       return True
     if not self._collective:
-      self._stop = bool(self._received)
+      if self._received is not None:
+        self._stop = True
+        self._code = STOP_SIGNALS.get(self._received, PREEMPTED_EXIT_CODE)
       return self._stop
     self._since_check += 1
     self._until_check -= 1
     if self._until_check > 0:
       return False
     now = time.monotonic()
-    step_seconds = (now - self._last_check) / self._since_check
-    flags, seconds = self._all_workers_sum(1 if self._received else 0,
-                                           step_seconds)
-    self._stop = flags > 0
+    per_call = (None if self._last_check is None
+                else (now - self._last_check) / self._since_check)
+    flags = [0.0] * len(_CODES)
+    if self._received is not None:
+      flags[_CODES.index(STOP_SIGNALS.get(self._received,
+                                          PREEMPTED_EXIT_CODE))] = 1.0
+    *counts, seconds = self._all_workers_sum([*flags, per_call or 0.0])
+    agreed = [code for code, n in zip(_CODES, counts) if n > 0]
+    if agreed:
+      self._stop, self._code = True, agreed[0]
     # The same summed figure on every worker gives the same interval (each
-    # replica added its worker's step time).
+    # replica added its worker's time per call; 0 before any was measured).
     mean = seconds / self._strategy.num_replicas_in_sync
-    self._until_check = max(1, min(MAX_CHECK_INTERVAL, int(
-        self._check_seconds / mean) if mean > 0 else 1))
+    self._interval = next_interval(self._interval, mean if per_call is not None
+                                   else None, self._check_seconds)
+    self._until_check = self._interval
     self._since_check, self._last_check = 0, now
     return self._stop
 
   def exit(self, step: int) -> None:
     """Raises `PreemptedError` for ``step`` (call it after saving)."""
     logging.warning("tfdist: checkpoint saved at step %d; exiting with code "
-                    "%d", step, PREEMPTED_EXIT_CODE)
-    raise PreemptedError(step=int(step), signal_name=self.signal_name)
+                    "%d", step, self._code)
+    raise PreemptedError(step=int(step), signal_name=self.signal_name,
+                         code=self._code)
 
-  def _all_workers_sum(self, flag: int, seconds: float) -> tuple[int, float]:
-    """Sums ``(flag, seconds)`` over the workers in one all-reduce."""
+  def _all_workers_sum(self, values: list[float]) -> list[float]:
+    """Sums ``values`` over the workers in one all-reduce."""
     strategy = self._strategy
     if self._agree_fn is None:
       @tf.function
@@ -169,5 +235,5 @@ class PreemptionWatcher:
         return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica,
                                axis=None)
       self._agree_fn = agree
-    total = self._agree_fn(tf.constant([flag, seconds], tf.float64)).numpy()
-    return int(round(total[0])), float(total[1])
+    total = self._agree_fn(tf.constant(values, tf.float64)).numpy()
+    return [float(v) for v in total]

@@ -28,11 +28,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import tensorflow as tf
 
+from tfdist.data import feed
 from tfdist.data.feed import DatasetFn
 from tfdist.errors import ConfigError
 from tfdist.strategy import introspect
 from tfdist.training import _input
 from tfdist.training import checkpoints as checkpoints_lib
+from tfdist.training import chief as chief_lib
+from tfdist.training import ownership
 from tfdist.training import preemption as preemption_lib
 from tfdist.training.steps import StepFn
 
@@ -49,6 +52,10 @@ class RunnerOptions:
     steps_per_loop: steps run inside one `tf.function` call (or one scheduled
       closure under ParameterServerStrategy).
     checkpoint_dir: where the chief keeps checkpoints; ``None`` keeps none.
+      A relative path is read against the working directory when the
+      `Runner` is made. It belongs to one job: the chief records the models
+      among ``checkpoint_items`` and the cluster there, and a directory of
+      another job's or of other files is refused.
     checkpoint_every: save every this many steps (rounded up to whole
       loops); 0 saves only when `train` returns.
     max_to_keep: checkpoints kept.
@@ -110,6 +117,11 @@ class Runner:
                "ctx.num_input_pipelines, ctx.input_pipeline_id)")
     self._strategy = strategy
     self._options = options
+    self._directory = (chief_lib.absolute(options.checkpoint_dir)
+                       if options.checkpoint_dir else None)
+    train_data = feed.checked(train_data, field="train_data", source="Runner")
+    if eval_data is not None:
+      eval_data = feed.checked(eval_data, field="eval_data", source="Runner")
     self._metrics = list(metrics)
     self._coordinator = None
     if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
@@ -119,8 +131,9 @@ class Runner:
     self._eval_loop = self._loop_fn(eval_step) if eval_step else None
     self._global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                     name="tfdist_global_step")
+    self._items = dict(checkpoint_items or {})
     self._checkpoint = tf.train.Checkpoint(step=self._global_step,
-                                           **dict(checkpoint_items or {}))
+                                           **self._items)
     self._step = 0
     self._saved_step = -1
     self._restore()
@@ -226,20 +239,35 @@ class Runner:
 
   def save(self) -> str | None:
     """Writes a checkpoint at the current step; returns the chief's path."""
-    if not self._options.checkpoint_dir or self._saved_step == self._step:
+    if not self._directory or self._saved_step == self._step:
       return None
     self._saved_step = self._step
     self._global_step.assign(self._step)
     return checkpoints_lib.save(
-        self._checkpoint, self._options.checkpoint_dir,
+        self._checkpoint, self._directory,
         strategy=self._strategy, max_to_keep=self._options.max_to_keep,
         number=self._step)
 
   def _restore(self) -> None:
-    latest = checkpoints_lib.restore_latest(
-        self._checkpoint, self._options.checkpoint_dir, strict=False)
-    if latest:
-      self._step = self._saved_step = int(self._global_step.numpy())
+    """Claims ``checkpoint_dir`` and restores; every worker at one step."""
+    if not self._directory:
+      return
+    restored = checkpoints_lib.agreed(
+        self._strategy, self._restore_here, directory=self._directory,
+        field="checkpoint_dir", source=_SOURCE)
+    if restored is not None:
+      self._step = self._saved_step = restored[0]
+
+  def _restore_here(self) -> tuple[int] | None:
+    weights = [v for _, item in sorted(self._items.items())
+               for v in getattr(item, "weights", ())]  # Keras models'.
+    ownership.claim(self._directory,
+                    ownership.owner_of(weights, self._strategy),
+                    strategy=self._strategy, field="checkpoint_dir",
+                    source=_SOURCE)
+    latest = checkpoints_lib.restore_latest(self._checkpoint, self._directory,
+                                            strict=False)
+    return (int(self._global_step.numpy()),) if latest else None
 
   def _iterator(self, dataset_fn: DatasetFn, skip_steps: int = 0):
     """A distributed iterator; resumes ``skip_steps`` steps into the data.

@@ -1,11 +1,20 @@
 """Joining a ring: who its members are, listening, and the hello exchange.
 
-Every process listens on a port the operating system picks (port 0),
-publishes it under ``key/rank`` through a `Rendezvous`, connects to its
-right neighbour and accepts its left one; a hello (`tfdist.perf.ring.wire`:
-magic, ring token, rank, size) goes each way and is checked. A stray
-connection is dropped and waited past. Every wait is bounded by one
-deadline; a neighbour that misses it is named in a `StartupTimeoutError`.
+Every process listens on its own cluster address (on every interface only
+when that address is not one of this host's, and it logs so), on a port the
+operating system picks or the first free one of a range
+(``ports``, or `RING_PORTS_VARIABLE`), publishes it under ``key/rank``
+through a `Rendezvous`, connects to its right neighbour and accepts its left
+one. Hellos go each way with the challenge and response of
+`tfdist.perf.ring.auth`, so only holders of the job's secret join.
+
+One loop over non-blocking sockets serves the dial and every incoming
+connection at once: a stranger (a scanner, random bytes, a half or replayed
+hello, a wrong secret, a flood of connections) is dropped without holding up
+the real neighbour; at most `_PENDING_MAX` unproven connections are kept, each
+for at most `_PENDING_S`. Every wait is bounded by one deadline; a neighbour
+that misses it is named in a `StartupTimeoutError`, with why connections were
+dropped meanwhile.
 
 Example::
 
@@ -13,24 +22,43 @@ Example::
                     names=("worker:0", "worker:1"), source="my cluster")
   deadline = time.monotonic() + 300
   listener = listen(members)
-  left, right = handshake(listener, members, rendezvous=rendezvous,
-                          key="job-1/ring-0", deadline=deadline,
-                          timeout_s=300)
+  pair = handshake(listener, members, rendezvous=rendezvous,
+                   key="job-1/ring-0", deadline=deadline, timeout_s=300,
+                   secret=b"the job's secret")
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import errno
+import hmac
+import os
+import re
+import selectors
 import socket
 import time
-from typing import Protocol
+from typing import Mapping, Protocol
+
+from absl import logging
 
 from tfdist import _net
 from tfdist.errors import ConfigError
 from tfdist.errors import StartupTimeoutError
+from tfdist.perf.ring import auth
 from tfdist.perf.ring import wire
 
-__all__ = ["Rendezvous", "Members", "listen", "handshake"]
+__all__ = ["RING_PORTS_VARIABLE", "Rendezvous", "Members", "Neighbours",
+           "ring_ports", "listen", "handshake"]
+
+#: The environment variable giving the ports rings may listen on, e.g.
+#: ``20000-20100`` (any port the OS picks when unset).
+RING_PORTS_VARIABLE = "TFDIST_RING_PORTS"
+
+_PENDING_MAX = 64  # Unproven connections kept at once; the oldest goes first.
+_PENDING_S = 10.0  # A connection that does not finish its hello in this long.
+_RETRY_S = 0.2  # Between dials of a neighbour that refused or dropped one.
+_TICK_S = 0.2  # Longest wait in select() and in one rendezvous lookup.
 
 
 class Rendezvous(Protocol):
@@ -101,156 +129,415 @@ def _bad_host(members: Members, rank: int, error: Exception) -> ConfigError:
       hint=f"Fix the cluster's addresses ({error})")
 
 
-def listen(members: Members) -> socket.socket:
-  """A listening socket for this process, on a port the OS picks.
+def ring_ports(ports: str | None, *, source: str,
+               environ: Mapping[str, str] | None = None) -> range | None:
+  """The ports a ring may listen on: ``ports``, else `RING_PORTS_VARIABLE`.
+
+  Args:
+    ports: ``"FIRST-LAST"`` or one port; ``None`` reads the environment.
+    source: where ``ports`` came from, for error messages.
+    environ: the environment (``os.environ`` when omitted).
+
+  Returns:
+    The ports, or ``None`` for any port the OS picks.
 
   Raises:
-    ConfigError: this process's loopback host does not resolve.
+    ConfigError: a malformed range, or ports outside 1-65535.
+  """
+  if ports is None:
+    ports = (os.environ if environ is None else environ).get(
+        RING_PORTS_VARIABLE)
+    source = f"the {RING_PORTS_VARIABLE} environment variable"
+    if not ports:
+      return None
+  match = re.fullmatch(r"\s*(\d{1,5})\s*(?:-\s*(\d{1,5})\s*)?",
+                       ports if isinstance(ports, str) else "")
+  first = int(match[1]) if match else 0
+  last = int(match[2] or first) if match else 0
+  if not 1 <= first <= last <= 65535:
+    raise ConfigError(field="ports", value=ports, source=source,
+                      expected="a port or a range FIRST-LAST within 1-65535, "
+                               "e.g. 20000-20100")
+  return range(first, last + 1)
+
+
+def _bind(family: int, address: tuple, ports: range | None) -> socket.socket:
+  """A listener on the first port of ``ports`` free at ``address``.
+
+  Raises:
+    OSError: the last port's error (EADDRNOTAVAIL at once: not this host's).
+  """
+  error = OSError(errno.EADDRINUSE, "no port to try")
+  for port in ports or (0,):
+    try:
+      return socket.create_server((address[0], port) + tuple(address[2:]),
+                                  family=family, backlog=_PENDING_MAX)
+    except OSError as e:
+      if e.errno == errno.EADDRNOTAVAIL:
+        raise
+      error = e
+  raise error
+
+
+def listen(members: Members, *, ports: range | None = None,
+           ports_source: str = "SocketRing") -> socket.socket:
+  """A listening socket on this process's own address, on one of ``ports``.
+
+  The address is this process's host in ``members``. When that is not an
+  address of this host's interfaces (NAT, containers), or a non-loopback
+  name resolving to loopback here (Debian maps the host's own name to
+  127.0.1.1), it listens on every interface instead, and logs so.
+
+  Args:
+    members: the ring.
+    ports: the ports to try in order; any port the OS picks when ``None``.
+    ports_source: where ``ports`` came from, for error messages.
+
+  Raises:
+    ConfigError: this process's host does not resolve, or no port of
+      ``ports`` is free.
   """
   host = members.hosts[members.rank]
-  # A loopback cluster listens on loopback only; otherwise on every
-  # interface, as TensorFlow's gRPC server does, since the name peers use
-  # may not be an address of this host's own interfaces (NAT, containers).
-  if _net.is_loopback(host):
+  try:
+    family, _, _, _, address = socket.getaddrinfo(
+        host, 0, type=socket.SOCK_STREAM)[0]
+  except socket.gaierror as e:
+    raise _bad_host(members, members.rank, e) from None
+  try:
+    if _net.is_loopback(address[0]) and not _net.is_loopback(host):
+      raise OSError(errno.EADDRNOTAVAIL, f"{host} resolves to {address[0]} "
+                    "here, which its peers cannot reach")
     try:
-      infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-      raise _bad_host(members, members.rank, e) from None
-    family, _, _, _, address = infos[0]
-    return socket.create_server(address, family=family, backlog=8)
-  if socket.has_dualstack_ipv6():
-    return socket.create_server(("", 0), family=socket.AF_INET6,
-                                dualstack_ipv6=True, backlog=8)
-  return socket.create_server(("", 0), backlog=8)
+      return _bind(family, address, ports)
+    except OSError as e:
+      if e.errno != errno.EADDRNOTAVAIL:
+        raise
+      why = e
+    logging.warning(
+        "socket transport: %s's address %s is not one of this host's (%s); "
+        "its ring listens on every interface", members.me, host, why)
+    if socket.has_dualstack_ipv6():
+      return _bind(socket.AF_INET6, ("", 0), ports)
+    return _bind(socket.AF_INET, ("", 0), ports)
+  except OSError as e:
+    if ports is None:
+      raise
+    raise ConfigError(
+        field="ports", value=f"{ports.start}-{ports.stop - 1}",
+        source=ports_source, expected=f"a range with a free port on {host}",
+        hint=f"Every port is taken or refused ({e}); widen the range or "
+             "free a port") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Neighbours:
+  """A joined ring's two connections and their keys (`tfdist.perf.ring.auth`).
+
+  Attributes:
+    left: the blocking socket from the left neighbour.
+    right: the blocking socket to the right neighbour.
+    left_key: the key of ``left``'s values.
+    right_key: the key of ``right``'s values.
+  """
+  left: socket.socket
+  right: socket.socket
+  left_key: bytes
+  right_key: bytes
 
 
 def handshake(listener: socket.socket, members: Members, *,
               rendezvous: Rendezvous, key: str, deadline: float,
-              timeout_s: float) -> tuple[socket.socket, socket.socket]:
+              timeout_s: float, secret: bytes | None = None) -> Neighbours:
   """Publishes ``listener``'s port and connects both neighbours.
 
-  Closes ``listener`` in any case, and the neighbours' sockets on failure.
+  Closes ``listener`` and every connection it does not return, in any case.
 
   Args:
     listener: this process's `listen` socket.
     members: the ring.
     rendezvous: where ports are published and looked up.
-    key: the ring's prefix in ``rendezvous``; also its hello token.
+    key: the ring's prefix in ``rendezvous``; also in its hellos.
     deadline: `time.monotonic` time by which both neighbours must be in.
     timeout_s: the bound ``deadline`` stands for, for error messages.
+    secret: the job's secret; ``None`` joins unauthenticated.
 
   Returns:
-    ``(left, right)``: the blocking sockets from the left neighbour and to
-    the right one.
+    Both neighbours' connections, each proven to hold ``secret``.
 
   Raises:
     StartupTimeoutError: a neighbour did not publish its port, accept,
-      connect or answer by ``deadline``.
+      connect or prove its secret by ``deadline``; says why connections
+      were dropped meanwhile.
     ConfigError: a neighbour's host that does not resolve.
   """
   join = _Join(members=members, rendezvous=rendezvous, key=key,
-               deadline=deadline, timeout_s=timeout_s)
-  right = left = None
+               deadline=deadline, timeout_s=timeout_s, secret=secret)
   try:
-    port = listener.getsockname()[1]
-    rendezvous.publish(f"{key}/{members.rank}", str(port))
-    right = join.dial(members.right)
-    left = join.accept(listener, members.left)
-    # The right neighbour's answer: it accepted this connection as ours.
-    if join.read_hello(right, join.remaining(
-        members.right, "answer")) != join.hello(members.right):
-      raise join.late(members.right, "answer this worker's hello")
-  except BaseException:
-    for s in (right, left):
-      if s is not None:
-        s.close()
-    raise
+    return join.run(listener)
   finally:
+    join.close()
     listener.close()
-  return left, right
+
+
+@dataclasses.dataclass(eq=False)
+class _Conn:
+  """One connection during its hello."""
+  sock: socket.socket
+  dialed: bool
+  expires: float
+  connecting: bool = False
+  mine: bytes = b""  # The hello this side sent.
+  theirs: bytes = b""  # The hello the other side sent.
+  data: bytearray = dataclasses.field(default_factory=bytearray)
+  need: int = wire.HELLO_SIZE
 
 
 class _Join:
-  """One `handshake`'s steps, all bounded by its deadline."""
+  """One `handshake`: a loop over non-blocking sockets, bounded by its deadline."""
 
   def __init__(self, *, members: Members, rendezvous: Rendezvous, key: str,
-               deadline: float, timeout_s: float):
+               deadline: float, timeout_s: float, secret: bytes | None):
     self._members = members
     self._rendezvous = rendezvous
     self._key = key
     self._token = wire.ring_token(key)
     self._deadline = deadline
     self._timeout_s = timeout_s
+    self._secret = secret or b""
+    self._signed = secret is not None
+    self._selector = selectors.DefaultSelector()
+    self._pending: dict[socket.socket, _Conn] = {}  # Oldest first.
+    self._dropped: collections.Counter[str] = collections.Counter()
+    self._port: int | None = None
+    self._address: tuple | None = None
+    self._dialing: _Conn | None = None
+    self._next_dial = 0.0
+    self._left: tuple[socket.socket, bytes] | None = None
+    self._right: tuple[socket.socket, bytes] | None = None
 
-  def late(self, rank: int, what: str) -> StartupTimeoutError:
+  def run(self, listener: socket.socket) -> Neighbours:
+    members = self._members
+    listener.setblocking(False)
+    self._selector.register(listener, selectors.EVENT_READ)
+    self._rendezvous.publish(f"{self._key}/{members.rank}",
+                             str(listener.getsockname()[1]))
+    while self._left is None or self._right is None:
+      now = time.monotonic()
+      if now >= self._deadline:
+        raise self._late()
+      wait = min(_TICK_S, self._deadline - now)
+      if self._right is None and self._dialing is None:
+        if self._port is None:
+          self._find_port(wait)
+          wait = 0.0
+        elif now >= self._next_dial:
+          self._dial(now)
+        else:
+          wait = min(wait, self._next_dial - now)
+      for selected, events in self._selector.select(max(0.0, wait)):
+        if selected.fileobj is listener:
+          self._accept(listener)
+        elif selected.fileobj in self._pending:
+          self._serve(self._pending[selected.fileobj], events)
+      now = time.monotonic()
+      for conn in [c for c in self._pending.values() if now > c.expires]:
+        self._drop(conn, f"{self._name(conn)} did not finish its hello in "
+                   f"{_PENDING_S:.0f} s")
+    (left, left_key), (right, right_key) = self._left, self._right
+    for s in (left, right):
+      s.setblocking(True)
+    return Neighbours(left=left, right=right, left_key=left_key,
+                      right_key=right_key)
+
+  def close(self) -> None:
+    """Closes every connection not handed out (all of them on failure)."""
+    for conn in list(self._pending.values()):
+      self._drop(conn, None)
+    if self._left is None or self._right is None:
+      for pair in (self._left, self._right):
+        if pair is not None:
+          pair[0].close()
+    self._selector.close()
+
+  def _late(self) -> StartupTimeoutError:
+    members = self._members
+    if self._right is None:
+      rank = members.right
+      what = ("publish its port" if self._port is None else
+              f"accept a connection on port {self._port} and prove the "
+              "job's secret")
+    else:
+      rank, what = members.left, "connect to this worker"
+    dropped = "; ".join(f"{n} x {why}" for why, n in self._dropped.items())
     return StartupTimeoutError(
-        f"socket transport: {self._members.me} waited "
-        f"{self._timeout_s:.0f} s for {self._members.describe(rank)} to "
-        f"{what}; is that worker running and at the same step, and can "
-        "this host reach it on TCP ports the OS picks?")
+        f"socket transport: {members.me} waited {self._timeout_s:.0f} s for "
+        f"{members.describe(rank)} to {what}; is that worker running and at "
+        "the same step, with the same job secret, and can this host reach it "
+        "over TCP?" + (f" Dropped meanwhile: {dropped}." if dropped else ""))
 
-  def remaining(self, rank: int, what: str) -> float:
-    """Seconds to the deadline; raises `late` past it."""
-    left = self._deadline - time.monotonic()
-    if left <= 0:
-      raise self.late(rank, what)
-    return left
+  def _name(self, conn: _Conn) -> str:
+    if conn.dialed:
+      return self._members.describe(self._members.right)
+    return "a connection"
 
-  def hello(self, rank: int) -> bytes:
-    return wire.hello(self._token, rank, self._members.size)
-
-  def dial(self, rank: int) -> socket.socket:
-    """Connects to ``rank`` (the right neighbour) and sends the hello."""
-    what = "publish its port"
+  def _drop(self, conn: _Conn, why: str | None) -> None:
+    """Closes ``conn``, counting ``why``; a dial is tried again soon."""
+    self._pending.pop(conn.sock, None)
     try:
-      port = int(self._rendezvous.lookup(f"{self._key}/{rank}",
-                                         self.remaining(rank, what)))
+      self._selector.unregister(conn.sock)
+    except (KeyError, ValueError):
+      pass
+    conn.sock.close()
+    if why:
+      self._dropped[why] += 1
+    if conn is self._dialing:
+      self._dialing = None
+      self._next_dial = time.monotonic() + _RETRY_S
+
+  def _find_port(self, wait: float) -> None:
+    rank = self._members.right
+    try:
+      port = int(self._rendezvous.lookup(f"{self._key}/{rank}", wait))
     except TimeoutError:
-      raise self.late(rank, what) from None
-    while True:
-      left = self.remaining(rank, f"accept a connection on port {port}")
-      try:
-        conn = socket.create_connection((self._members.hosts[rank], port),
-                                        timeout=min(left, 10.0))
-      except socket.gaierror as e:
-        raise _bad_host(self._members, rank, e) from None
-      except OSError:  # Refused or unreachable for now: retry until the end.
-        time.sleep(min(0.2, max(0.0, self._deadline - time.monotonic())))
-        continue
-      try:
-        conn.sendall(self.hello(self._members.rank))
-      except OSError:
-        conn.close()
-        continue
-      return conn
-
-  def read_hello(self, conn: socket.socket, timeout_s: float) -> bytes:
-    """Up to a hello's bytes from ``conn``; fewer when it ends or stalls."""
-    conn.settimeout(max(0.01, min(timeout_s, 10.0)))
-    data = b""
+      return
     try:
-      while len(data) < wire.HELLO_SIZE:
-        chunk = conn.recv(wire.HELLO_SIZE - len(data))
-        if not chunk:
-          break
-        data += chunk
+      info = socket.getaddrinfo(self._members.hosts[rank], port,
+                                type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+      raise _bad_host(self._members, rank, e) from None
+    self._port, self._address = port, (info[0], info[4])
+
+  def _dial(self, now: float) -> None:
+    family, address = self._address
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    if sock.connect_ex(address) not in (0, errno.EINPROGRESS):
+      sock.close()  # Refused or unreachable for now: again soon.
+      self._next_dial = now + _RETRY_S
+      return
+    conn = _Conn(sock=sock, dialed=True, connecting=True,
+                 expires=now + _PENDING_S,
+                 need=wire.HELLO_SIZE + auth.MAC_SIZE)
+    self._dialing = self._pending[sock] = conn
+    self._selector.register(sock, selectors.EVENT_WRITE)
+
+  def _accept(self, listener: socket.socket) -> None:
+    try:
+      sock, _ = listener.accept()
+    except OSError:  # Gone before accepted, or out of descriptors for now.
+      return
+    sock.setblocking(False)
+    unproven = [c for c in self._pending.values() if not c.dialed]
+    if len(unproven) >= _PENDING_MAX:
+      # The oldest without a right hello first: a neighbour's sends at once.
+      silent = [c for c in unproven if not c.theirs] or unproven
+      self._drop(silent[0], f"more than {_PENDING_MAX} connections at once")
+    self._pending[sock] = _Conn(sock=sock, dialed=False,
+                                expires=time.monotonic() + _PENDING_S)
+    self._selector.register(sock, selectors.EVENT_READ)
+
+  def _hello(self) -> bytes:
+    return wire.hello(self._token, self._members.rank, self._members.size,
+                      nonce=auth.nonce(), signed=self._signed)
+
+  def _serve(self, conn: _Conn, events: int) -> None:
+    """Moves ``conn``'s hello on by what ``events`` allow."""
+    sock = conn.sock
+    if conn.connecting:
+      if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+        self._drop(conn, None)  # Refused: the neighbour is not up yet.
+        return
+      conn.connecting, conn.mine = False, self._hello()
+      if not self._send(conn, conn.mine):
+        return
+      self._selector.modify(sock, selectors.EVENT_READ)
+      return
+    try:
+      chunk = sock.recv(conn.need - len(conn.data))
+    except BlockingIOError:
+      return
+    except OSError:
+      chunk = b""
+    if not chunk:
+      self._drop(conn, f"{self._name(conn)} closed it during the hello")
+      return
+    conn.data += chunk
+    if len(conn.data) < conn.need:
+      return
+    data, conn.data = bytes(conn.data), bytearray()
+    if conn.dialed:
+      self._answered(conn, data)
+    elif not conn.theirs:
+      self._greeted(conn, data)
+    else:
+      self._proved(conn, data)
+
+  def _send(self, conn: _Conn, data: bytes) -> bool:
+    try:
+      if conn.sock.send(data) == len(data):  # Small, into an empty buffer.
+        return True
     except OSError:
       pass
-    return data
+    self._drop(conn, f"{self._name(conn)} failed during the hello")
+    return False
 
-  def accept(self, listener: socket.socket, rank: int) -> socket.socket:
-    """Accepts ``rank`` (the left neighbour), checks its hello, answers."""
-    while True:
-      left = self.remaining(rank, "connect to this worker")
-      listener.settimeout(left)
-      try:
-        conn, _ = listener.accept()
-      except socket.timeout:
-        continue  # remaining() raises on the next turn.
-      if self.read_hello(conn, left) == self.hello(rank):
-        try:
-          conn.sendall(self.hello(self._members.rank))
-          return conn
-        except OSError:
-          pass
-      conn.close()  # Not our neighbour (a stale or stray connection).
+  def _foreign(self, fields: wire.Hello | None, rank: int) -> str | None:
+    """Why a hello is not ``rank``'s of this ring, or ``None``."""
+    members = self._members
+    if (fields is None or fields.token != self._token
+        or fields.size != members.size or fields.rank != rank):
+      return (f"a hello that is not {members.names[rank]}'s of this ring "
+              "(another program, or another ring)")
+    if fields.signed != self._signed:
+      has = "has" if fields.signed else "has no"
+      mine = "has none" if fields.signed else "has one"
+      return (f"{members.describe(rank)} {has} job secret and this worker "
+              f"{mine}: set {_net.JOB_SECRET_VARIABLE} alike on every worker")
+    return None
+
+  def _mac(self, role: bytes, dial: bytes, accept: bytes) -> bytes:
+    return auth.mac(self._secret, role, self._key, dial, accept)
+
+  def _greeted(self, conn: _Conn, data: bytes) -> None:
+    """The acceptor's side: a dialer's hello came; answer with a MAC."""
+    why = self._foreign(wire.parse_hello(data), self._members.left)
+    if why:
+      self._drop(conn, why)
+      return
+    conn.theirs, conn.mine, conn.need = data, self._hello(), auth.MAC_SIZE
+    self._send(conn, conn.mine + self._mac(auth.ACCEPT, data, conn.mine))
+
+  def _proved(self, conn: _Conn, proof: bytes) -> None:
+    """The acceptor's side: the dialer's MAC came; keep it if it is right."""
+    if not hmac.compare_digest(proof, self._mac(auth.DIAL, conn.theirs,
+                                                conn.mine)):
+      self._drop(conn, f"a connection claiming to be "
+                 f"{self._members.describe(self._members.left)} without "
+                 "the job's secret (a wrong secret, or a replayed hello)")
+      return
+    self._hand_out(conn)
+    if self._left is not None:
+      conn.sock.close()  # A second proven left: keep the first.
+      return
+    self._left = (conn.sock, self._mac(auth.VALUES, conn.theirs, conn.mine))
+
+  def _answered(self, conn: _Conn, data: bytes) -> None:
+    """The dialer's side: the acceptor's hello and MAC came; prove ours."""
+    answer, tag = data[:wire.HELLO_SIZE], data[wire.HELLO_SIZE:]
+    why = self._foreign(wire.parse_hello(answer), self._members.right)
+    if why is None and not hmac.compare_digest(
+        tag, self._mac(auth.ACCEPT, conn.mine, answer)):
+      why = (f"{self._name(conn)} answered without the job's secret (a "
+             "wrong secret)")
+    if why:
+      self._drop(conn, why)
+      return
+    if not self._send(conn, self._mac(auth.DIAL, conn.mine, answer)):
+      return
+    self._hand_out(conn)
+    self._dialing = None
+    self._right = (conn.sock, self._mac(auth.VALUES, conn.mine, answer))
+
+  def _hand_out(self, conn: _Conn) -> None:
+    self._pending.pop(conn.sock, None)
+    self._selector.unregister(conn.sock)

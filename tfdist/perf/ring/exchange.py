@@ -51,16 +51,22 @@ class Link:
     right_rank: the right neighbour's rank, named when it fails.
     timeout_s: a direction that moves nothing for this long has lost its
       peer.
+    seal: what each step's sends and receives become before they move
+      (e.g. `tfdist.perf.ring.auth.Sealer.seal`, adding tags); as given
+      when ``None``.
   """
 
   def __init__(self, *, left: socket.socket, right: socket.socket,
-               left_rank: int, right_rank: int, timeout_s: float):
+               left_rank: int, right_rank: int, timeout_s: float,
+               seal: Callable[[Sends, Recvs], tuple[Sends, Recvs]] | None
+               = None):
     for s in (left, right):
       s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
       s.setblocking(False)  # exchange() waits in poll(), with a deadline.
     self._left, self._right = left, right
     self._left_rank, self._right_rank = left_rank, right_rank
     self._timeout_s = timeout_s
+    self._seal = seal
     self._poll = select.poll()
 
   def exchange(self, sends: Sends, recvs: Recvs) -> None:
@@ -74,8 +80,11 @@ class Link:
         overwrite what that send read); ``after`` -1 waits for nothing.
 
     Raises:
-      PeerLost: a peer closed, failed, or did not move for ``timeout_s``.
+      PeerLost: a peer closed, failed, or did not move for ``timeout_s``
+        (or ``seal``'s check failed).
     """
+    if self._seal is not None:
+      sends, recvs = self._seal(sends, recvs)
     right, left = self._right, self._left
     right_rank, left_rank = self._right_rank, self._left_rank
     si = ri = soff = roff = 0

@@ -23,8 +23,16 @@ all-reduce can.
 * **In place**: ``out=data`` sums into the input (no output buffer; what
   the TensorFlow glue does with its packed gradients).
 * **Connection** (`tfdist.perf.ring.connection`): at the first call, or on
-  `SocketRing.connect`, through a `Rendezvous`; a stray connection is
-  dropped and waited past.
+  `SocketRing.connect`, through a `Rendezvous`, listening on this process's
+  own address within ``ports``; a stray connection is dropped and waited
+  past.
+* **Security** (`tfdist.perf.ring.auth`): with a job secret (``secret``, or
+  ``TFDIST_JOB_SECRET``) every connection proves both ends hold it, by
+  challenge and response with fresh nonces, so a stranger, or a recorded
+  hello replayed, is dropped; with ``authenticate_values`` every step's
+  bytes also carry an HMAC-SHA256 tag, checked before anything computed
+  from them is sent on or returned. Without a secret the ring logs once
+  that it is unauthenticated. Nothing is encrypted.
 * **Ordering check**: every call starts with a header
   (`tfdist.perf.ring.wire`) that must match the left neighbour's, so
   processes that call in a different order fail loudly instead of adding
@@ -53,10 +61,13 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from absl import logging
 import numpy as np
 
+from tfdist import _net
 from tfdist.errors import ConfigError
 from tfdist.errors import WorkerLostError
+from tfdist.perf.ring import auth
 from tfdist.perf.ring import connection
 from tfdist.perf.ring import exchange
 from tfdist.perf.ring import schedule
@@ -71,6 +82,8 @@ __all__ = ["SocketRing", "DEFAULT_BLOCK_BYTES"]
 #: Bytes (of float32) per pipelined block: small enough to stay in L2 cache,
 #: large enough that Python's per-block cost is noise.
 DEFAULT_BLOCK_BYTES = 512 << 10
+
+_warned_unauthenticated = False
 
 
 def _shaped(out: np.ndarray, data) -> np.ndarray:
@@ -98,10 +111,19 @@ class SocketRing:
       during an all-reduce is declared lost.
     block_bytes: float32 bytes per pipelined block.
     source: where the hosts came from, for error messages.
+    secret: the job's shared secret, the same on every member;
+      ``TFDIST_JOB_SECRET`` (`tfdist._net.job_secret`) when ``None``.
+      Without either the ring is unauthenticated (logged once).
+    ports: ``"FIRST-LAST"`` (or one port): listen on the first free one;
+      ``TFDIST_RING_PORTS`` when ``None``, else any port the OS picks.
+    authenticate_values: also tag every step's bytes (HMAC-SHA256), so
+      values altered on the way fail the call; costs hashing every byte
+      sent and received. Needs a secret.
 
   Raises:
-    ConfigError: a rank out of range, or a non-positive timeout or
-      ``block_bytes``.
+    ConfigError: a rank out of range, a non-positive timeout or
+      ``block_bytes``, malformed ``ports``, or ``authenticate_values``
+      without a secret.
   """
 
   def __init__(self, *, rank: int, hosts: Sequence[str],
@@ -109,7 +131,8 @@ class SocketRing:
                names: Sequence[str] | None = None,
                connect_timeout_s: float = 300.0, timeout_s: float = 300.0,
                block_bytes: int = DEFAULT_BLOCK_BYTES,
-               source: str = "SocketRing"):
+               source: str = "SocketRing", secret: bytes | str | None = None,
+               ports: str | None = None, authenticate_values: bool = False):
     hosts = tuple(hosts)
     self._members = connection.Members(
         rank=rank, hosts=hosts, source=source,
@@ -121,6 +144,15 @@ class SocketRing:
       if not value > 0:
         raise ConfigError(field=field, value=value, source=source,
                           expected="a positive number")
+    if secret is None:
+      secret = _net.job_secret()
+    self._secret = secret.encode() if isinstance(secret, str) else secret
+    if authenticate_values and not self._secret:
+      raise ConfigError(
+          field="authenticate_values", value=True, source=source,
+          expected=f"a job secret ({_net.JOB_SECRET_VARIABLE} or secret=)")
+    self._authenticate_values = bool(authenticate_values)
+    self._ports = connection.ring_ports(ports, source=source)
     self._rendezvous = rendezvous
     self._key = key
     self._connect_timeout_s = float(connect_timeout_s)
@@ -172,19 +204,38 @@ class SocketRing:
       return
     members = self._members
     deadline = time.monotonic() + self._connect_timeout_s
-    listener = connection.listen(members)
+    self._warn_unauthenticated()
     try:
-      left, right = connection.handshake(
+      listener = connection.listen(members, ports=self._ports,
+                                   ports_source=self._source)
+      pair = connection.handshake(
           listener, members, rendezvous=self._rendezvous, key=self._key,
-          deadline=deadline, timeout_s=self._connect_timeout_s)
+          deadline=deadline, timeout_s=self._connect_timeout_s,
+          secret=self._secret or None)
     except BaseException as e:
       # The port is published under this key for good: no second try.
       self._failure = e if isinstance(e, Exception) else WorkerLostError(
           f"socket transport: connecting was interrupted ({e!r})")
       raise
-    self._link = exchange.Link(left=left, right=right, left_rank=members.left,
+    seal = None
+    if self._authenticate_values:
+      seal = auth.Sealer(send_key=pair.right_key, recv_key=pair.left_key,
+                         left_rank=members.left).seal
+    self._link = exchange.Link(left=pair.left, right=pair.right,
+                               left_rank=members.left,
                                right_rank=members.right,
-                               timeout_s=self._timeout_s)
+                               timeout_s=self._timeout_s, seal=seal)
+
+  def _warn_unauthenticated(self) -> None:
+    global _warned_unauthenticated
+    if self._secret or _warned_unauthenticated:
+      return
+    _warned_unauthenticated = True
+    logging.warning(
+        "socket transport: the ring is unauthenticated: any process that "
+        "reaches its ports can join it. Set %s to the same secret on every "
+        "worker (tfdist launch and tfdist slurm do), or pass secret=",
+        _net.JOB_SECRET_VARIABLE)
 
   # All-reduce.
 

@@ -1,7 +1,9 @@
 """What crosses the ring's sockets: hellos, call headers and encoded values.
 
-* **Hello** (magic ``TFDH``, ring token, rank, size; 16 bytes): sent each
-  way when neighbours connect. The ring token is the CRC-32 of the ring's
+* **Hello** (magic ``TFDH``, ring token, rank, size, whether the sender
+  holds a secret, a fresh nonce; 33 bytes): sent each way when neighbours
+  connect, the acceptor's followed by a MAC, then the dialer's MAC
+  (`tfdist.perf.ring.auth`). The ring token is the CRC-32 of the ring's
   key, so a connection from another ring, or from anything else, does not
   match and is dropped.
 * **Header** (magic ``TFDC``, call number, length, wire dtype code, tag; 28
@@ -22,14 +24,16 @@ from __future__ import annotations
 
 import struct
 import zlib
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
 
 from tfdist.errors import ConfigError
 
-__all__ = ["WIRE_DTYPES", "HELLO_SIZE", "HEADER_SIZE", "ring_token", "hello",
-           "header", "check_header", "as_bytes", "encode", "decode"]
+__all__ = ["WIRE_DTYPES", "HELLO_SIZE", "HEADER_SIZE", "Hello", "ring_token",
+           "hello", "parse_hello", "header", "check_header", "as_bytes",
+           "encode", "decode"]
 
 #: Wire dtype names and their numpy types.
 WIRE_DTYPES: dict[str, np.dtype] = {
@@ -39,7 +43,7 @@ WIRE_DTYPES: dict[str, np.dtype] = {
 }
 _WIRE_CODES = {name: i for i, name in enumerate(WIRE_DTYPES)}
 
-_HELLO = struct.Struct("!4sIII")  # magic, ring token, rank, size
+_HELLO = struct.Struct("!4sIIIB16s")  # magic, token, rank, size, signed, nonce
 _HEADER = struct.Struct("!4sQQII")  # magic, call, length, wire code, tag
 _MAGIC_HELLO = b"TFDH"
 _MAGIC_CALL = b"TFDC"
@@ -54,9 +58,38 @@ def ring_token(key: str) -> int:
   return zlib.crc32(key.encode())
 
 
-def hello(token: int, rank: int, size: int) -> bytes:
-  """The hello of ``rank`` in a ring of ``size`` with ``token``."""
-  return _HELLO.pack(_MAGIC_HELLO, token, rank, size)
+class Hello(NamedTuple):
+  """A hello's fields."""
+  token: int
+  rank: int
+  size: int
+  signed: bool
+  nonce: bytes
+
+
+def hello(token: int, rank: int, size: int, *, nonce: bytes,
+          signed: bool) -> bytes:
+  """The hello of ``rank`` in a ring of ``size`` with ``token``.
+
+  Args:
+    token: the ring's `ring_token`.
+    rank: the sender's rank.
+    size: the ring's size.
+    nonce: 16 fresh random bytes.
+    signed: whether the sender holds a secret (so a peer can say why MACs
+      differ).
+  """
+  return _HELLO.pack(_MAGIC_HELLO, token, rank, size, int(signed), nonce)
+
+
+def parse_hello(data: bytes) -> Hello | None:
+  """The fields of a hello, or ``None`` when ``data`` is not one."""
+  if len(data) != HELLO_SIZE:
+    return None
+  magic, token, rank, size, signed, nonce = _HELLO.unpack(data)
+  if magic != _MAGIC_HELLO or signed > 1:
+    return None
+  return Hello(token, rank, size, bool(signed), nonce)
 
 
 def header(call: int, length: int, wire: str, tag: int) -> bytes:

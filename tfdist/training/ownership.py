@@ -1,0 +1,181 @@
+"""A backup directory belongs to one job: its owner record, and what to remove.
+
+The chief records the job that first writes a backup or checkpoint directory
+in ``tfdist-owner.json`` (written to a temporary name, then linked into place,
+so it never replaces anything): a fingerprint of the model's variables (their
+names, shapes and dtypes, in order) and the cluster (job names and task
+counts; an evaluator is no part of training). A run that finds another job's
+record there, or files and no record, is refused with a `tfdist.ConfigError`
+before anything is read or written: two jobs given one directory would
+otherwise resume from each other's state or remove it. `release` removes only
+what tfdist wrote: checkpoint files, the state file and the record, and the
+directory itself when tfdist created it.
+
+Two runs of one model on one cluster shape count as one job (that is how a
+restarted job finds its backup); a job that changed its model or cluster
+needs a new directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from typing import Any, Iterable
+
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+from tfdist.strategy import introspect
+
+__all__ = ["OWNER_FILE", "owner_of", "claim", "release"]
+
+#: The owner record in a backup or checkpoint directory.
+OWNER_FILE = "tfdist-owner.json"
+_TMP_PREFIX = f".{OWNER_FILE}."
+# What tfdist writes there: TensorFlow's CheckpointManager's ckpt-N.index,
+# ckpt-N.data-*, ckpt-N_temp/ mid-save, the ``checkpoint`` state file and its
+# temporary; the owner record's temporaries.
+_WRITTEN = re.compile(r"ckpt-\d+(\.index|\.data-\d+-of-\d+|_temp.*)"
+                      r"|checkpoint(\.tmp.*)?|" + re.escape(_TMP_PREFIX) + ".*")
+
+Owner = dict[str, Any]
+
+
+def owner_of(variables: Iterable[Any], strategy: tf.distribute.Strategy
+             ) -> Owner:
+  """The owner record of a job training ``variables`` under ``strategy``."""
+  described = [[str(v.name), [None if d is None else int(d) for d in v.shape],
+                str(getattr(v.dtype, "name", v.dtype))] for v in variables]
+  digest = hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
+  _, _, cluster = introspect.task_of(strategy)
+  return {"model": digest, "variables": len(described),
+          "cluster": {job: len(tasks) for job, tasks in sorted(cluster.items())
+                      if job != "evaluator"}}
+
+
+def claim(directory: str, owner: Owner, *, strategy: tf.distribute.Strategy,
+          field: str, source: str) -> None:
+  """Checks that ``directory`` is ``owner``'s; the chief records it there.
+
+  Every worker checks; only the chief writes (creating the directory when it
+  is missing), which also proves before training that it can write there.
+
+  Raises:
+    ConfigError: another job's record, files without a record, or a
+      directory the chief cannot write.
+  """
+  record = _read(directory, field=field, source=source)
+  if record is None and _listing(directory):
+    raise ConfigError(
+        field=field, value=directory, source=source,
+        expected="a new or empty directory, or one this job's backups were "
+                 f"written to (it holds files and no {OWNER_FILE})",
+        hint=_FRESH.format(field=field, directory=directory))
+  if record is not None:
+    _check_same(directory, record, owner, field=field, source=source)
+  if introspect.is_chief(strategy):
+    if _write(directory, owner if record is None else None, field=field,
+              source=source):  # Another chief linked a record first.
+      claim(directory, owner, strategy=strategy, field=field, source=source)
+
+
+def release(directory: str, strategy: tf.distribute.Strategy) -> None:
+  """Removes what tfdist wrote in ``directory`` (the chief only)."""
+  if not introspect.is_chief(strategy) or not os.path.isdir(directory):
+    return
+  try:
+    with open(os.path.join(directory, OWNER_FILE)) as f:
+      created = bool(json.load(f).get("created"))
+  except (OSError, ValueError, AttributeError):
+    return  # Not a directory tfdist claimed: leave it as it is.
+  for name in os.listdir(directory):
+    if _WRITTEN.fullmatch(name):
+      path = os.path.join(directory, name)
+      if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+      else:
+        os.remove(path)
+  os.remove(os.path.join(directory, OWNER_FILE))
+  if created:
+    try:
+      os.rmdir(directory)  # Only when empty: what others put there stays.
+    except OSError:
+      pass
+
+
+_FRESH = ("To start fresh, pass a new {field}, or delete {directory} yourself; "
+          "tfdist never removes what it did not write")
+
+
+def _listing(directory: str) -> list[str]:
+  if not os.path.lexists(directory):
+    return []
+  if not os.path.isdir(directory):
+    return [directory]
+  return [n for n in os.listdir(directory) if not n.startswith(_TMP_PREFIX)]
+
+
+def _read(directory: str, *, field: str, source: str) -> Owner | None:
+  path = os.path.join(directory, OWNER_FILE)
+  try:
+    with open(path) as f:
+      record = json.load(f)
+  except (FileNotFoundError, NotADirectoryError):
+    return None
+  except (OSError, ValueError) as e:
+    record = e
+  if not isinstance(record, dict):
+    raise ConfigError(field=field, value=directory, source=source,
+                      expected=f"a readable {OWNER_FILE} written by tfdist "
+                               f"({str(record)[:120]})",
+                      hint=_FRESH.format(field=field, directory=directory))
+  return record
+
+
+def _check_same(directory: str, record: Owner, owner: Owner, *, field: str,
+                source: str) -> None:
+  keys = ("model", "cluster")
+  if all(record.get(k) == owner[k] for k in keys):
+    return
+  raise ConfigError(
+      field=field, value=directory, source=source,
+      expected=f"a directory of this job (model {owner['model']} with "
+               f"{owner['variables']} variables, cluster {owner['cluster']}); "
+               f"it holds another job's state (model {record.get('model')} "
+               f"with {record.get('variables')} variables, cluster "
+               f"{record.get('cluster')})",
+      hint=_FRESH.format(field=field, directory=directory))
+
+
+def _write(directory: str, owner: Owner | None, *, field: str,
+           source: str) -> bool:
+  """Records ``owner`` (or, when ``None``, only tries a write) in ``directory``.
+
+  Returns:
+    True when another process linked a record first.
+  """
+  try:
+    created = not os.path.isdir(directory)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=_TMP_PREFIX)
+    try:
+      with os.fdopen(fd, "w") as f:
+        if owner is not None:
+          json.dump({**owner, "created": created}, f)
+      if owner is not None:
+        # A link never replaces an existing file, unlike a rename.
+        os.link(tmp, os.path.join(directory, OWNER_FILE))
+    finally:
+      os.remove(tmp)
+  except FileExistsError:
+    return True
+  except OSError as e:
+    raise ConfigError(field=field, value=directory, source=source,
+                      expected="a directory the chief can create and write",
+                      hint=f"Writing there failed: {e.strerror or e}"
+                      ) from None
+  return False
