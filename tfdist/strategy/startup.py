@@ -188,7 +188,7 @@ def bounded_startup(info: ClusterInfo, timeout: float | None
         [sys.executable, "-c", _HELPER, str(os.getpid()), spec],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=None,
         pass_fds=(wake_read,),
-        env={**os.environ, "PYTHONPATH": _ROOT + os.pathsep +
+        env={**os.environ, "PYTHONPATH": _net.REPO_ROOT + os.pathsep +
              os.environ.get("PYTHONPATH", "")})
   finally:
     os.close(wake_read)
@@ -238,8 +238,6 @@ def _set_exit_handler() -> int | None:
 # Runs in a separate small process: the TensorFlow call being guarded holds
 # the GIL, so no thread of this process could act. Signals stay pending in
 # the blocked process, where /proc shows them.
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
 _HELPER = "import sys; from tfdist.strategy import startup; startup._watch()"
 
 
