@@ -42,6 +42,7 @@ __all__ = [
     "Result",
     "Tasks",
     "base_env",
+    "alive",
     "free_ports",
     "processes",
     "run_alone",
@@ -128,6 +129,16 @@ def session_processes(sid: int) -> list[int]:
   ``start_new_session=True`` leads its own session)."""
   return [p.pid for p in processes()
           if p.session == sid and p.state not in ("Z", "X")]
+
+
+def alive(pid: int) -> bool:
+  """Whether process ``pid`` runs (a zombie does not)."""
+  try:
+    os.kill(pid, 0)
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().split()[2] != "Z"
+  except (ProcessLookupError, FileNotFoundError):
+    return False
 
 
 def wait_until(condition: Callable[[], object], timeout: float, *,

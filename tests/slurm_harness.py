@@ -56,6 +56,8 @@ _PACKAGES = ("slurm-wlm", "munge")
 _INSTALL_TIMEOUT_S = 900
 #: See `LocalSlurm.release_requeued`: more than slurmd's one-second resolution.
 _REQUEUE_RELEASE_DELAY_S = 2.0
+#: The host of a `netbed.NetBed` that runs slurmctld and the commands.
+CONTROLLER = "ctl"
 _NOT_CHECKED = object()
 _unavailable_reason: object = _NOT_CHECKED  # Cached str, or None when usable.
 
@@ -196,7 +198,7 @@ def local_node_name() -> str:
 
 _CONF_TEMPLATE = """\
 ClusterName=tfdist
-SlurmctldHost={hostname}(127.0.0.1)
+SlurmctldHost={hostname}({ctld_addr})
 SlurmctldPort={ctld_port}
 SlurmUser=root
 SlurmdUser=root
@@ -252,7 +254,10 @@ class LocalSlurm:
   """
 
   def __init__(self, *, nodes: Sequence[str] | None = None, cpus: int = 8,
-               start_timeout: float = 60):
+               start_timeout: float = 60, bed=None):
+    self.bed = bed
+    if bed is not None and not nodes:
+      nodes = [h for h in bed.hosts if h != CONTROLLER]
     self.nodes = tuple(nodes) if nodes else (local_node_name(),)
     self.cpus = cpus
     self.start_timeout = start_timeout
@@ -309,31 +314,44 @@ class LocalSlurm:
     self._wait(lambda: os.path.exists(munge_socket), "munged socket")
 
     ctld_port, *node_ports = _net.free_ports(1 + len(self.nodes))
-    hostname = local_node_name()
+    hostname, ctld_addr = local_node_name(), "127.0.0.1"
+    if self.bed is not None:
+      hostname, ctld_addr = CONTROLLER, self.bed.address(CONTROLLER)
     node_lines = "\n".join(
-        f"NodeName={node} NodeHostname={node} NodeAddr=127.0.0.1 "
+        f"NodeName={node} NodeHostname={node} NodeAddr={self._address(node)} "
         f"Port={port} CPUs={self.cpus} RealMemory=1000 State=UNKNOWN"
         for node, port in zip(self.nodes, node_ports))
     self.conf_path = os.path.join(root, "slurm.conf")
     with open(self.conf_path, "w") as f:
       f.write(_CONF_TEMPLATE.format(
-          hostname=hostname, ctld_port=ctld_port, munge_socket=munge_socket,
+          hostname=hostname, ctld_addr=ctld_addr, ctld_port=ctld_port,
+          munge_socket=munge_socket,
           root=root, node_lines=node_lines, nodes=",".join(self.nodes)))
     self.env = {k: v for k, v in os.environ.items()
                 if not k.startswith(("SLURM_", "SLURMD_", "SRUN_", "SBATCH_",
                                      "SALLOC_"))}
     self.env["SLURM_CONF"] = self.conf_path
     self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f",
-                              self.conf_path])
+                              self.conf_path], host=CONTROLLER)
     for node in self.nodes:
       self._spawn(f"slurmd.{node}", [_which("slurmd"), "-D", "-N", node,
-                                     "-f", self.conf_path])
+                                     "-f", self.conf_path], host=node)
     self._wait(self._nodes_idle, f"nodes {list(self.nodes)} idle")
 
-  def _spawn(self, name: str, argv: list[str]) -> None:
+  def _address(self, node: str) -> str:
+    return "127.0.0.1" if self.bed is None else self.bed.address(node)
+
+  def command(self, argv: Sequence[str], host: str = None) -> list[str]:
+    """``argv`` as run on this cluster: on the bed's ``host`` (its
+    controller by default) when it runs over a `netbed.NetBed`."""
+    if self.bed is None:
+      return list(argv)
+    return self.bed.command(host or CONTROLLER, argv)
+
+  def _spawn(self, name: str, argv: list[str], host: str = None) -> None:
     log = open(os.path.join(self.root, f"{name}.stdout"), "wb")
     try:
-      proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+      proc = subprocess.Popen(self.command(argv, host), stdout=log, stderr=subprocess.STDOUT,
                               stdin=subprocess.DEVNULL,
                               env=dict(self.env or os.environ),
                               start_new_session=True)
@@ -357,7 +375,7 @@ class LocalSlurm:
 
   def _nodes_idle(self) -> bool:
     proc = subprocess.run(
-        [_which("sinfo"), "-h", "-N", "-o", "%N %T"],
+        self.command([_which("sinfo"), "-h", "-N", "-o", "%N %T"]),
         env=self.env, capture_output=True, text=True, timeout=10, check=False)
     states = dict(line.split() for line in proc.stdout.splitlines()
                   if len(line.split()) == 2)
@@ -430,7 +448,7 @@ class LocalSlurm:
     Raises:
       subprocess.TimeoutExpired: srun did not finish within ``timeout``.
     """
-    argv = [_which("srun"), "--kill-on-bad-exit=1", *args]
+    argv = self.command([_which("srun"), "--kill-on-bad-exit=1", *args])
     proc = subprocess.Popen(argv, env=self._env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -466,8 +484,8 @@ class LocalSlurm:
       script = path
     output = os.path.join(self.root, "job-%j.out")
     proc = subprocess.run(
-        [_which("sbatch"), "--parsable", f"--output={output}",
-         f"--chdir={self.root}", *args, script],
+        self.command([_which("sbatch"), "--parsable", f"--output={output}",
+                      f"--chdir={self.root}", *args, script]),
         env=env, capture_output=True, text=True, timeout=60, check=False)
     if proc.returncode != 0:
       raise SlurmError(f"sbatch failed: {proc.stderr}")
@@ -486,20 +504,23 @@ class LocalSlurm:
 
   def _job_active(self, job_id: str) -> bool:
     proc = subprocess.run(
-        [_which("scontrol"), "-o", "show", "job", job_id], env=self.env,
+        self.command([_which("scontrol"), "-o", "show", "job", job_id]),
+        env=self.env,
         capture_output=True, text=True, timeout=30, check=False)
     match = re.search(r"JobState=(\S+)", proc.stdout)
     return bool(match) and match.group(1) in (
         "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED")
 
   def _any_job(self) -> bool:
-    proc = subprocess.run([_which("squeue"), "-h", "-o", "%i"], env=self.env,
+    proc = subprocess.run(self.command([_which("squeue"), "-h", "-o", "%i"]),
+                          env=self.env,
                           capture_output=True, text=True, timeout=30,
                           check=False)
     return proc.returncode == 0 and bool(proc.stdout.strip())
 
   def _cancel_all(self) -> None:
-    subprocess.run([_which("scancel"), "--full", "--partition=debug"],
+    subprocess.run(self.command([_which("scancel"), "--full",
+                                 "--partition=debug"]),
                    env=self.env, capture_output=True, timeout=30, check=False)
 
   def release_requeued(self, job: str) -> None:
@@ -516,7 +537,8 @@ class LocalSlurm:
     """
     time.sleep(_REQUEUE_RELEASE_DELAY_S)
     proc = subprocess.run(
-        [_which("scontrol"), "update", f"JobId={job}", "StartTime=now"],
+        self.command([_which("scontrol"), "update", f"JobId={job}",
+                      "StartTime=now"]),
         env=self._env(None), capture_output=True, text=True, timeout=30,
         check=False)
     if proc.returncode != 0:

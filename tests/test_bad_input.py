@@ -149,7 +149,7 @@ class LaunchSpecTest(parameterized.TestCase):
       ("host_empty", dict(host=""), "host"),
       ("host_malformed", dict(host="bad..host"), "host"),
       ("host_not_this_machine", dict(host="203.0.113.7"), "host"),
-      ("host_not_a_string", dict(host=None), "host"),
+      ("host_not_a_string", dict(host=7), "host"),
       ("workers_more_than_ports", dict(num_workers=100000), "num_workers"),
       ("tasks_more_than_ports", dict(num_workers=64000, num_ps=1000),
        "num_workers"),

@@ -61,7 +61,7 @@ class InfoTest(parameterized.TestCase):
       r = _tfdist("info", env={"TF_CONFIG": json.dumps(config)})
     self.assertEqual(r.returncode, 1, r.stderr)
     self.assertIn("[FAIL] port", r.stdout)
-    self.assertIn("already in use", r.stdout)
+    self.assertIn("listens on port", r.stdout)
 
   def test_text_report(self):
     r = _tfdist("info")
@@ -86,6 +86,17 @@ class ErrorContractTest(parameterized.TestCase):
       ("unknown_command", ["frobnicate"], {}, "frobnicate"),
       ("unknown_flag", ["info", "--jsn"], {}, "--jsn"),
       ("abbreviated_flag", ["info", "--js"], {}, "--js"),
+      ("launch_every_unknown_flag_and_the_subcommand",
+       ["launch", "--wrokers", "2", "--foo=1", "--", "python", "t.py"], {},
+       "launch: unknown flags --wrokers, --foo (see `tfdist launch --help`)"),
+      ("slurm_unknown_flags", ["slurm", "--nodez", "2", "--bar", "--",
+                               "python", "t.py"], {},
+       "slurm: unknown flags --nodez, --bar"),
+      ("misspelt_command_suggests", ["lanch", "--workers", "2"], {},
+       "did you mean `tfdist launch`?"),
+      ("launch_flags_after_dashes_belong_to_the_program",
+       ["launch", "--workers", "0", "--", "python", "--unknown-to-tfdist"],
+       {}, "--workers"),
       ("launch_command_without_dashes",
        ["launch", sys.executable, "-c", "pass"], {}, "-- and the program"),
       ("slurm_command_without_dashes", ["slurm", "python", "t.py"], {},

@@ -55,7 +55,7 @@ def _wait_ready(test, launcher, n, timeout=60):
 
 def _kill_left(pids):
   """SIGKILLs the tasks a failing test left, by PID; those still alive."""
-  left = [pid for pid in pids if _alive(pid)]
+  left = [pid for pid in pids if cluster_utils.alive(pid)]
   for pid in left:
     os.kill(pid, signal.SIGKILL)
   return left
@@ -70,15 +70,6 @@ def _local_address():
       return None
     address = s.getsockname()[0]
   return None if _net.is_loopback(address) else address
-
-
-def _alive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  with open(f"/proc/{pid}/stat") as f:  # A zombie is not alive.
-    return f.read().split()[2] != "Z"
 
 
 class ClusterTfConfigsTest(parameterized.TestCase):
@@ -157,7 +148,7 @@ class LaunchTest(parameterized.TestCase):
       with open(os.path.join(d, "ps-0.log")) as f:
         self.assertIn("role=ps:0", f.read())
     for pid in _pids(r.stdout):
-      self.assertFalse(_alive(pid), f"task {pid} left behind")
+      self.assertFalse(cluster_utils.alive(pid), f"task {pid} left behind")
 
   def test_failed_task_stops_the_rest_and_is_reported(self):
     start = time.monotonic()
@@ -169,7 +160,7 @@ class LaunchTest(parameterized.TestCase):
     pids = _pids(r.stdout)
     self.assertLen(pids, 3)
     for pid in pids:
-      self.assertFalse(_alive(pid), f"task {pid} left behind")
+      self.assertFalse(cluster_utils.alive(pid), f"task {pid} left behind")
 
   @parameterized.named_parameters(
       ("sigterm", signal.SIGTERM, signal.SIGTERM),
@@ -199,7 +190,7 @@ class LaunchTest(parameterized.TestCase):
       launcher.signal(0, signal.SIGKILL)  # The launcher's PID alone.
       self.assertEqual(launcher.wait(0, 30), -signal.SIGKILL)
     gone = cluster_utils.wait_until(
-        lambda: not any(_alive(pid) for pid in pids), 10)
+        lambda: not any(cluster_utils.alive(pid) for pid in pids), 10)
     left = _kill_left(pids)
     self.assertTrue(gone, f"tasks {left} outlived the launcher")
 

@@ -25,7 +25,7 @@ PACKAGE = os.path.join(ROOT, "tfdist")
 #: Module prefix -> floor; the longest matching prefix wins.
 FLOORS = {
     "tfdist.errors": 0, "tfdist._net": 0, "tfdist._lazy": 0,
-    "tfdist._compat": 0,
+    "tfdist._secret": 0, "tfdist._compat": 0,
     "tfdist.cluster": 1,
     "tfdist.strategy": 2,
     "tfdist.data": 3, "tfdist.perf": 3,
@@ -182,6 +182,7 @@ class FloorsTest(parameterized.TestCase):
        ("tfdist.strategy", "tfdist.data", "tfdist.perf", "tfdist.training")),
       ("errors_import_nothing", "tfdist.errors", ("tfdist",)),
       ("net_imports_nothing", "tfdist._net", ("tfdist",)),
+      ("secret_imports_nothing", "tfdist._secret", ("tfdist",)),
       ("lazy_imports_nothing", "tfdist._lazy", ("tfdist",)),
       ("compat_imports_nothing", "tfdist._compat", ("tfdist",)),
   )

@@ -13,15 +13,20 @@ import ipaddress
 import json
 import os
 import socket
+import threading
 from typing import Mapping
 
-__all__ = ["JOB_SECRET_VARIABLE", "job_secret", "free_ports", "port_problem", "reachable", "is_local",
+__all__ = ["JOB_SECRET_VARIABLE", "job_secret", "free_ports", "port_problem",
+           "lookup", "LOOKUP_TIMEOUT_SECONDS", "reachable", "is_local",
            "is_loopback", "split_address", "child_env", "cluster_tf_configs",
            "worker_tf_configs", "REPO_ROOT"]
 
 #: The directory holding the ``tfdist`` package (a checkout or site-packages).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+#: The bound on one host name lookup (a resolver that does not answer).
+LOOKUP_TIMEOUT_SECONDS = 5.0
 
 #: The environment variable that carries a job's shared secret to its tasks.
 #: An environment variable, not an argument, so it never shows in ``ps``.
@@ -54,16 +59,94 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def port_problem(host: str, port: int) -> str | None:
-  """Why ``host:port`` cannot be bound now, or ``None`` when it can."""
-  family = socket.AF_INET6 if ":" in host else socket.AF_INET
-  with socket.socket(family, socket.SOCK_STREAM) as s:
+  """Why a TensorFlow server could not listen on ``port`` now, or ``None``.
+
+  TensorFlow's gRPC server listens on every interface (``[::]``, else
+  ``0.0.0.0``) with ``SO_REUSEADDR`` and ``SO_REUSEPORT``, whatever host its
+  TF_CONFIG names. So the check binds the wildcard address the same way: a
+  port left in TIME_WAIT by an earlier run (a requeue, a re-run within a
+  minute) is free, and a port that any process listens on, on any address, is
+  taken, also when that process set ``SO_REUSEPORT`` as gRPC does (read from
+  ``/proc/net/tcp*``, where the kernel would let a second gRPC server share it).
+
+  Args:
+    host: the address the task is reached at; with ``port`` 0 the question
+      is whether ``host`` is an address of this machine at all.
+    port: the port, or 0.
+
+  Returns:
+    A sentence saying why, or ``None``.
+  """
+  if not port:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+      try:
+        s.bind((host, 0))
+      except OSError as e:
+        return e.strerror or str(e)
+    return None
+  if port in _listening_ports():
+    return f"another process listens on port {port}"
+  for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
     try:
-      s.bind((host, port))
-    except OSError as e:
-      if e.errno == errno.EADDRINUSE:
-        return "the port is already in use"
-      return str(e)
+      s = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+      continue  # No IPv6 here: TensorFlow falls back to IPv4 too.
+    with s:
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      try:
+        s.bind((address, port))
+        return None
+      except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+          return f"port {port} is in use"
+        if family == socket.AF_INET6:
+          continue
+        return e.strerror or str(e)
   return None
+
+
+def _listening_ports() -> set[int]:
+  """Ports some socket of this network namespace listens on (TCP), from
+  ``/proc/net/tcp`` and ``tcp6``; empty where they do not exist."""
+  ports = set()
+  for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+    try:
+      with open(name) as f:
+        next(f, None)
+        for line in f:
+          fields = line.split()
+          if len(fields) > 3 and fields[3] == "0A":  # TCP_LISTEN.
+            ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    except OSError:
+      continue
+  return ports
+
+
+def lookup(host: str, timeout: float = LOOKUP_TIMEOUT_SECONDS
+           ) -> tuple[list[str], str | None]:
+  """``(addresses, None)``, or ``([], why)`` when ``host`` does not resolve
+  within ``timeout`` seconds."""
+  try:
+    return [str(ipaddress.ip_address(host))], None
+  except ValueError:
+    pass
+  result: dict = {}
+
+  def work() -> None:
+    try:
+      infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+      result["addresses"] = sorted({i[4][0] for i in infos})
+    except (OSError, UnicodeError) as e:
+      result["error"] = (f"{e.strerror} (getaddrinfo)"
+                         if getattr(e, "strerror", None) else str(e))
+
+  thread = threading.Thread(target=work, daemon=True, name="tfdist-lookup")
+  thread.start()
+  thread.join(timeout)
+  if "addresses" in result and result["addresses"]:
+    return result["addresses"], None
+  return [], result.get("error", f"no answer within {timeout:g} s")
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -94,9 +177,28 @@ def is_loopback(host: str) -> bool:
 
 
 def is_local(host: str) -> bool:
-  """Whether ``host`` names this machine: loopback or this host's name."""
-  return (is_loopback(host)
-          or host in (socket.gethostname(), socket.getfqdn()))
+  """Whether ``host`` names this machine.
+
+  True for loopback, this host's short name and FQDN (in any case), and any
+  name or address that resolves to an address of this machine: one a socket
+  can bind to. A name that does not resolve within a few seconds is not local.
+  """
+  host = host.strip("[]")
+  if is_loopback(host):
+    return True
+  names = {socket.gethostname().lower(), socket.getfqdn().lower()}
+  if host.rstrip(".").lower() in names:
+    return True
+  addresses, _ = lookup(host)
+  for address in addresses:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+      try:
+        s.bind((address, 0))
+        return True
+      except OSError:
+        continue
+  return False
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -14,6 +14,10 @@ Prints its role and pid first. Modes:
   stubborn    ignore SIGTERM and SIGINT, print "ready" and sleep
   evalfail    the evaluator exits 4 after 2 s, every other task exits 0
   secret      print a digest of TFDIST_JOB_SECRET ("none" when unset)
+  env         print "env=" and a JSON object of TF_CONFIG's cluster,
+              CUDA_VISIBLE_DEVICES, TF_CPP_MIN_LOG_LEVEL and the host name,
+              then exit 0 (with ps tasks: the chief after 3 s, the others
+              serve until stopped)
   grpc        start TensorFlow's gRPC server for this task and print the
               address it listens on: "bound=wildcard" for every interface
 """
@@ -40,6 +44,18 @@ def sleep_forever():
 
 
 if mode == "ok":
+  sys.exit(0)
+if mode == "env":
+  import socket
+  print("env=" + json.dumps({
+      "cluster": json.loads(os.environ["TF_CONFIG"])["cluster"],
+      "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+      "log_level": os.environ.get("TF_CPP_MIN_LOG_LEVEL"),
+      "hostname": socket.gethostname()}), flush=True)
+  if "ps" in json.loads(os.environ["TF_CONFIG"])["cluster"]:
+    if task["type"] != "chief":
+      sleep_forever()  # A server, until the chief is done.
+    time.sleep(3)  # The servers print meanwhile.
   sys.exit(0)
 if mode == "fail1":
   if role == "worker:1":

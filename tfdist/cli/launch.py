@@ -26,10 +26,12 @@ _FLAGS: _args.FlagTable = {
     "evaluator": ("--evaluator", dict(action="store_true",
                                       help="add an evaluator task")),
     "host": ("--host", dict(
-        help="address written in every task's TF_CONFIG: a loopback address "
-             "or an address or name of this machine. TensorFlow's gRPC "
-             "server listens on every interface (0.0.0.0) whatever it "
-             "says: this isolates nothing; use a firewall")),
+        help="the address of this node that the other tasks dial, written in "
+             "every task's TF_CONFIG (default 127.0.0.1 on one node; on "
+             "several, the address this node reaches --master-addr from). "
+             "TensorFlow's gRPC server listens on every interface (0.0.0.0) "
+             "whatever it says; only the rendezvous listens on "
+             "--master-addr alone")),
     "port_base": ("--port-base", dict(
         type=int, metavar="PORT",
         help="first of consecutive ports (default: free ports)")),
@@ -47,6 +49,30 @@ _FLAGS: _args.FlagTable = {
     "grace_seconds": ("--grace-seconds", dict(
         type=float, metavar="S",
         help="time a task gets to exit after SIGTERM")),
+    "nnodes": ("--nnodes", dict(
+        type=int, metavar="N",
+        help="nodes of the job: run tfdist launch on each, with the same "
+             "--nnodes, --master-addr and --master-port; --workers, --ps, "
+             "--chief and --evaluator then count this node's tasks")),
+    "node_rank": ("--node-rank", dict(
+        type=int, metavar="R", help="this node's rank, 0 to N-1; node 0 runs "
+                                    "the rendezvous")),
+    "master_addr": ("--master-addr", dict(
+        metavar="HOST", help="node 0's address, as every node reaches it")),
+    "master_port": ("--master-port", dict(
+        type=int, metavar="PORT", help="the rendezvous port on node 0")),
+    "rendezvous_timeout_seconds": ("--rendezvous-timeout-seconds", dict(
+        type=float, metavar="S", help="time for every node to join")),
+    "secret_file": ("--secret-file", dict(
+        metavar="FILE",
+        help="a file (mode 600) holding the job's shared secret, when "
+             "TFDIST_JOB_SECRET is not set; a multi-node launch needs one, "
+             "the same on every node")),
+    "gpus_per_task": ("--gpus-per-task", dict(
+        type=int, metavar="K",
+        help="GPUs for each chief, worker and evaluator task of this node "
+             "(CUDA_VISIBLE_DEVICES); default: an even share; ps tasks get "
+             "none")),
 }
 
 

@@ -10,6 +10,7 @@ any `TfdistError` a subcommand raises.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from types import ModuleType
 from typing import Sequence
@@ -60,7 +61,58 @@ def build_parser() -> argparse.ArgumentParser:
   for name, (help_text, module) in _COMMANDS.items():
     module.add_arguments(
         sub.add_parser(name, help=help_text, description=help_text))
+  parser.commands = sub.choices  # type: ignore[attr-defined]
   return parser
+
+
+def usage_problem(parser: argparse.ArgumentParser,
+                  argv: Sequence[str]) -> str | None:
+  """What is wrong with the command and flags of ``argv``, before parsing.
+
+  argparse names only the first unknown flag, and none at all when a
+  command follows (``tfdist launch --wrokers 2 -- python x.py``): this names
+  the subcommand and every unknown flag before ``--``, and suggests the
+  subcommand meant by a misspelt one.
+  """
+  words = list(argv)
+  if not words or words[0].startswith("-"):
+    return None
+  name, rest = words[0], words[1:]
+  commands = parser.commands  # type: ignore[attr-defined]
+  if name not in commands:
+    close = difflib.get_close_matches(name, commands, n=1)
+    hint = f"; did you mean `tfdist {close[0]}`?" if close else ""
+    return (f"unknown command {name!r}: expected one of "
+            f"{', '.join(commands)}{hint}")
+  known = commands[name]._option_string_actions  # pylint: disable=protected-access
+  unknown, value_next = [], False
+  for word in rest:
+    if word == "--":
+      break
+    if not word.startswith("-") or _number(word):
+      if value_next:  # A flag's value.
+        value_next = False
+        continue
+      break  # The program (or a stray word argparse names) starts here.
+    flag = word.split("=", 1)[0]
+    if flag not in known:
+      unknown.append(flag)
+    # A known flag that takes a value, or an unknown one (it may), given
+    # without "=": the next bare word is its value.
+    value_next = "=" not in word and (flag not in known
+                                      or known[flag].nargs != 0)
+  if not unknown:
+    return None
+  return (f"{name}: unknown flag{'s' * (len(unknown) > 1)} "
+          f"{', '.join(unknown)} (see `tfdist {name} --help`)")
+
+
+def _number(word: str) -> bool:
+  try:
+    float(word)
+    return True
+  except ValueError:
+    return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,6 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv: the arguments after ``tfdist``; ``sys.argv[1:]`` when ``None``.
   """
   parser = build_parser()
+  argv = sys.argv[1:] if argv is None else list(argv)
+  problem = usage_problem(parser, argv)
+  if problem:
+    print(f"tfdist: {problem}", file=sys.stderr)
+    return EXIT_USAGE
   args = parser.parse_args(argv)
   if args.command is None:
     parser.print_help()

@@ -11,6 +11,7 @@ use. One module per concept:
 | `tf_config` | TF_CONFIG parsing and checks                                  |
 | `slurm`     | SLURM job variables, rank order, roles and ports              |
 | `hostlist`  | SLURM hostlist expressions                                    |
+| `names`     | host names resolved within a bound, or refused by name        |
 | `tpu`       | TPU VM and TPU name detection                                 |
 | `local`     | the local machine's devices                                   |
 | `resolver`  | TensorFlow `ClusterResolver`s for a `ClusterInfo`             |
@@ -32,6 +33,8 @@ _EXPORTS = {
     "is_slurm_step": "tfdist.cluster.slurm",
     "expand_hostlist": "tfdist.cluster.hostlist",
     "expand_tasks_per_node": "tfdist.cluster.hostlist",
+    "resolve_host": "tfdist.cluster.names",
+    "resolve_names": "tfdist.cluster.names",
     "detect_tpu": "tfdist.cluster.tpu",
     "resolve_tpu": "tfdist.cluster.tpu",
     "local_devices": "tfdist.cluster.local",

@@ -200,7 +200,7 @@ def resolve_slurm(environ: Environ | None = None, *,
     >>> info.cluster["worker"]
     ('n9:10672', 'n10:10672')
   """
-  from_os = environ is None
+  from_os = environ is None or environ is os.environ
   env: Environ = os.environ if from_os else environ
   source = ("SLURM variables from the environment" if from_os
             else "SLURM variables passed as environ")

@@ -4,7 +4,8 @@ One module per way of starting them:
 
 | module   | how                                                             |
 |----------|-----------------------------------------------------------------|
-| `local`  | every task as a process on this machine (``tfdist launch``)     |
+| `local`  | every task as a process on this machine (``tfdist launch``), one node of several with ``nnodes`` |
+| `rendezvous` | node 0 hands every node its part of one cluster, members proven by the job secret |
 | `sbatch` | an sbatch script that starts them with ``srun`` (``tfdist slurm``) |
 
 Nothing here imports `tfdist.strategy`, `tfdist.training` or TensorFlow: a

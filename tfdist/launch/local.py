@@ -65,6 +65,7 @@ from typing import Callable, Mapping, Sequence, TextIO
 
 from tfdist import _net
 from tfdist.errors import ConfigError
+from tfdist.launch import rendezvous
 
 __all__ = ["LaunchSpec", "Launcher", "launch", "preflight", "TaskFailure",
            "MAX_RESTART_DELAY_SECONDS"]
@@ -117,6 +118,21 @@ class LaunchSpec:
       waits twice as long, at most `MAX_RESTART_DELAY_SECONDS`.
     grace_seconds: how long a task may take to exit after SIGTERM.
     env: extra environment for every task.
+    nnodes: the nodes of a multi-node launch; each runs its own launcher with
+      the same ``nnodes``, ``master_addr`` and ``master_port``, and the task
+      counts above mean the tasks *on this node*.
+    node_rank: this node's rank, 0 to ``nnodes - 1``; node 0 runs the
+      rendezvous (`tfdist.launch.rendezvous`).
+    master_addr: node 0's address as every node reaches it (the rendezvous
+      listens there only); needed when ``nnodes > 1``.
+    master_port: the rendezvous port on node 0; needed when ``nnodes > 1``.
+    rendezvous_timeout_seconds: how long every node may take to join.
+    secret_file: a file holding the job's shared secret (readable by its
+      owner only), when ``TFDIST_JOB_SECRET`` is not set; a multi-node launch
+      needs one of them, the same on every node.
+    gpus_per_task: GPUs for each chief, worker and evaluator task of this
+      node (in ``CUDA_VISIBLE_DEVICES``); by default the node's GPUs are
+      split evenly. ps tasks get none.
 
   Raises:
     ConfigError: a value that cannot work, naming the field.
@@ -126,32 +142,61 @@ class LaunchSpec:
   num_ps: int = 0
   chief: bool = False
   evaluator: bool = False
-  host: str = "127.0.0.1"
+  host: str | None = None
   port_base: int | None = None
   log_dir: str | None = None
   max_restarts: int = 0
   restart_delay_seconds: float = 1.0
   grace_seconds: float = 10.0
   env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  nnodes: int = 1
+  node_rank: int = 0
+  master_addr: str | None = None
+  master_port: int | None = None
+  rendezvous_timeout_seconds: float = 300.0
+  secret_file: str | None = None
+  gpus_per_task: int | None = None
 
   def __post_init__(self):
     _words("command", self.command,
            "a program and its arguments, e.g. ('python', 'train.py')")
     object.__setattr__(self, "command", tuple(self.command))
-    _int_at_least("num_workers", self.num_workers, 1, high=_MAX_TASKS,
+    _int_at_least("num_workers", self.num_workers,
+                  1 if self.nnodes == 1 else 0, high=_MAX_TASKS,
                   hint="Every cluster needs a worker: set num_workers to 1 "
                         "or more")
     _int_at_least("num_ps", self.num_ps, 0, high=_MAX_TASKS)
     _int_at_least("max_restarts", self.max_restarts, 0)
     _seconds("grace_seconds", self.grace_seconds, zero=False)
     _seconds("restart_delay_seconds", self.restart_delay_seconds, zero=True)
+    if self.nnodes > 1 and self.num_tasks == 0:
+      raise ConfigError(field="num_workers", value=self.num_workers,
+                        source=_SOURCE, expected="at least one task per node")
     if self.num_tasks > _MAX_TASKS:
       raise ConfigError(field="num_workers", value=self.num_workers,
                         source=_SOURCE,
                         expected=f"at most {_MAX_TASKS} tasks in all (one "
                                  f"unprivileged port each), not "
                                  f"{self.num_tasks}")
-    _host(self.host)
+    if self.host is not None:
+      _host("host", self.host)
+    _int_at_least("nnodes", self.nnodes, 1, high=_MAX_TASKS)
+    _int_at_least("node_rank", self.node_rank, 0, high=self.nnodes - 1)
+    _seconds("rendezvous_timeout_seconds", self.rendezvous_timeout_seconds,
+             zero=False)
+    if self.nnodes > 1:
+      if self.master_addr is None or self.master_port is None:
+        raise ConfigError(
+            field="master_addr" if self.master_addr is None else "master_port",
+            value=None, source=_SOURCE,
+            expected=f"node 0's address and port for nnodes={self.nnodes}",
+            hint="Give every node the same --master-addr and --master-port")
+      _host("master_addr", self.master_addr)
+      _int_at_least("master_port", self.master_port, 1, high=65535)
+    if self.secret_file is not None:
+      _words("secret_file", (self.secret_file,), "a file path")
+    if self.gpus_per_task is not None:
+      _int_at_least("gpus_per_task", self.gpus_per_task, 0, high=1024)
     if self.log_dir is not None:
       _words("log_dir", (self.log_dir,), "a directory path")
     env = self.env if isinstance(self.env, Mapping) else None
@@ -172,13 +217,20 @@ class LaunchSpec:
   @property
   def jobs(self) -> dict[str, int]:
     """Job name to task count, in start order."""
-    chief = int(self.chief or self.num_ps > 0)
+    chief = int(self.chief or (self.num_ps > 0 and self.nnodes == 1))
     return {k: v for k, v in (("chief", chief), ("worker", self.num_workers),
                               ("ps", self.num_ps)) if v}
 
   @property
   def num_tasks(self) -> int:
     return sum(self.jobs.values()) + int(self.evaluator)
+
+  @property
+  def address(self) -> str:
+    """The address in this node's tasks' TF_CONFIG, when known without I/O:
+    ``host``, else ``127.0.0.1`` on one node (on several, the address this
+    node reaches the master from)."""
+    return self.host or "127.0.0.1"
 
   def restart_delay(self, restart: int) -> float:
     """Seconds to wait before restart number ``restart`` (1, 2, ...)."""
@@ -190,7 +242,7 @@ class LaunchSpec:
 
   def tf_configs(self) -> list[dict]:
     """One TF_CONFIG per task: the cluster tasks, then the evaluator."""
-    configs = _net.cluster_tf_configs(self.jobs, host=self.host,
+    configs = _net.cluster_tf_configs(self.jobs, host=self.address,
                                       port_base=self.port_base)
     if self.evaluator:
       configs.append({"cluster": configs[0]["cluster"],
@@ -228,7 +280,7 @@ def preflight(spec: LaunchSpec) -> None:
     if not script.startswith("-") and not os.path.isfile(script):
       raise ConfigError(field="script", value=script, source=_SOURCE,
                         expected="an existing Python file")
-  problem = _net.port_problem(spec.host, 0)
+  problem = spec.host and _net.port_problem(spec.host, 0)
   if problem:
     raise ConfigError(
         field="host", value=spec.host, source=_SOURCE, hint=problem,
@@ -251,13 +303,103 @@ def preflight(spec: LaunchSpec) -> None:
           expected=f"a directory where {path} can be a log file")
   if spec.port_base is not None:
     ports = range(spec.port_base, spec.port_base + spec.num_tasks)
-    taken = [p for p in ports if _net.port_problem(spec.host, p)]
+    taken = [p for p in ports if _net.port_problem(spec.address, p)]
     if taken:
       raise ConfigError(
           field="port_base", value=spec.port_base, source=_SOURCE,
           expected=(f"{spec.num_tasks} free ports from {spec.port_base}; "
-                    f"port {taken[0]} on {spec.host} is taken"),
+                    f"port {taken[0]} on {spec.address} is taken"),
           hint="Pick another port_base or leave it out to use free ports")
+
+  if spec.nnodes > 1:
+    job_secret(spec)
+  gpu_plan(spec, [kind for kind, n in spec.jobs.items() for _ in range(n)]
+           + ["evaluator"] * spec.evaluator)
+
+
+def job_secret(spec: LaunchSpec) -> str | None:
+  """The job's shared secret: ``TFDIST_JOB_SECRET`` from ``spec.env`` or the
+  environment, else the contents of ``spec.secret_file``; ``None`` when
+  neither is given (one node then makes a fresh one).
+
+  Raises:
+    ConfigError: a multi-node launch without a secret, or a secret file that
+      cannot be read, is empty, or is readable by group or others.
+  """
+  value = (spec.env.get(_net.JOB_SECRET_VARIABLE)
+           or os.environ.get(_net.JOB_SECRET_VARIABLE))
+  if value:
+    return value
+  if spec.secret_file is not None:
+    try:
+      mode = os.stat(spec.secret_file).st_mode
+      with open(spec.secret_file) as f:
+        value = f.read().strip()
+    except OSError as e:
+      raise ConfigError(field="secret_file", value=spec.secret_file,
+                        source=_SOURCE, expected="a readable file",
+                        hint=e.strerror) from None
+    if mode & 0o077:
+      raise ConfigError(
+          field="secret_file", value=spec.secret_file, source=_SOURCE,
+          expected=f"a file only its owner can read, not mode {mode & 0o777:o}",
+          hint=f"chmod 600 {spec.secret_file}")
+    if not value:
+      raise ConfigError(field="secret_file", value=spec.secret_file,
+                        source=_SOURCE, expected="a file holding the secret")
+    return value
+  if spec.nnodes > 1:
+    raise ConfigError(
+        field="secret_file", value=None, source=_SOURCE,
+        expected=f"the job's shared secret on every node for nnodes="
+                 f"{spec.nnodes}",
+        hint=f"Set {_net.JOB_SECRET_VARIABLE} to the same random value on "
+             "every node (e.g. from `openssl rand -hex 32`), or give "
+             "--secret-file with a file only you can read; never pass it "
+             "as an argument")
+  return None
+
+
+def gpu_plan(spec: LaunchSpec, kinds: Sequence[str],
+             environ: Mapping[str, str] | None = None
+             ) -> list[str | None]:
+  """``CUDA_VISIBLE_DEVICES`` for each local task of type ``kinds[i]``.
+
+  The GPUs this launcher may use are its own ``CUDA_VISIBLE_DEVICES`` when
+  set, else those the machine has (``/proc/driver/nvidia/gpus``). They are
+  split over the chief, worker and evaluator tasks in order:
+  ``spec.gpus_per_task`` each, or an even share (at least one, shared round
+  robin when there are fewer GPUs than tasks). ps tasks get ``""``: no GPU.
+  With no GPU known every value is ``None``: the variable is left alone.
+
+  Raises:
+    ConfigError: ``gpus_per_task`` asks for more GPUs than there are.
+  """
+  environ = os.environ if environ is None else environ
+  visible = environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None and visible.strip():
+    gpus = [g.strip() for g in visible.split(",") if g.strip()]
+  else:
+    try:
+      gpus = [str(i) for i in range(len(os.listdir(
+          "/proc/driver/nvidia/gpus")))]
+    except OSError:
+      gpus = []
+  users = [i for i, kind in enumerate(kinds) if kind != "ps"]
+  if not gpus or not users:
+    return [None] * len(kinds)
+  each = spec.gpus_per_task
+  if each is not None and each * len(users) > len(gpus):
+    raise ConfigError(
+        field="gpus_per_task", value=each, source=_SOURCE,
+        expected=(f"at most {len(gpus) // len(users)} for {len(users)} tasks "
+                  f"on this node's {len(gpus)} GPUs ({','.join(gpus)})"))
+  if each is None:
+    each = max(1, len(gpus) // len(users))
+  plan: list[str | None] = [""] * len(kinds)
+  for n, i in enumerate(users):
+    plan[i] = ",".join(gpus[(n * each + k) % len(gpus)] for k in range(each))
+  return plan
 
 
 class TaskFailure(Exception):
@@ -272,6 +414,13 @@ class TaskFailure(Exception):
     super().__init__(role, code)
     self.role, self.code, self.tail = role, code, list(tail)
     self.restart = restart
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+  """How one node's attempt ended: its exit code, or the restart to join."""
+  code: int
+  restart: int | None = None
 
 
 @dataclasses.dataclass
@@ -305,10 +454,13 @@ class Launcher:
 
   def run(self) -> int:
     preflight(self._spec)
-    if not _net.is_loopback(self._spec.host):
+    if self._spec.nnodes > 1:
+      return self._run_nodes()
+    if not _net.is_loopback(self._spec.address):
       print(f"tfdist: warning: TensorFlow's gRPC servers listen on every "
-            f"interface (0.0.0.0), not only on {self._spec.host}: host only "
-            "sets the addresses in TF_CONFIG", file=sys.stderr, flush=True)
+            f"interface (0.0.0.0), not only on {self._spec.address}: host "
+            "only sets the addresses in TF_CONFIG", file=sys.stderr,
+            flush=True)
     handlers = {s: signal.signal(s, self._on_signal) for s in _FORWARDED}
     try:
       _make_dirs(self._spec.log_dir)
@@ -332,6 +484,107 @@ class Launcher:
       self._stop_all()
       for s, h in handlers.items():
         signal.signal(s, h)
+
+  def _run_nodes(self) -> int:
+    """One node of a multi-node launch: join the rendezvous (node 0 runs
+    it), run this node's tasks, stop or restart with every other node."""
+    spec = self._spec
+    secret = job_secret(spec)
+    master = None
+    handlers = {s: signal.signal(s, self._on_signal) for s in _FORWARDED}
+    member = None
+    try:
+      if spec.node_rank == 0:
+        try:
+          master = rendezvous.Master(
+              address=(spec.master_addr, spec.master_port), nnodes=spec.nnodes,
+              secret=secret.encode(), timeout=spec.rendezvous_timeout_seconds,
+              max_restarts=spec.max_restarts, log=self._out)
+        except OSError as e:
+          raise ConfigError(
+              field="master_port", value=spec.master_port, source=_SOURCE,
+              expected=f"a port node 0 can listen on at {spec.master_addr}",
+              hint=f"{e.strerror or e}; --master-addr must be an address of "
+                   "node 0 and the port free") from None
+      member = rendezvous.Member(
+          master=(spec.master_addr, spec.master_port), rank=spec.node_rank,
+          secret=secret.encode(), timeout=spec.rendezvous_timeout_seconds)
+      host = spec.host or member.local_address
+      _make_dirs(spec.log_dir)
+      attempt = 0
+      while True:
+        ports = (list(range(spec.port_base, spec.port_base + spec.num_tasks))
+                 if spec.port_base is not None
+                 else _net.free_ports(spec.num_tasks, host))
+        placed = member.join(attempt=attempt, host=host, jobs=spec.jobs,
+                             evaluator=spec.evaluator, ports=ports)
+        configs = [{"cluster": placed["cluster"],
+                    "task": {"type": kind, "index": index}}
+                   for kind, index in placed["places"]]
+        if self._signal is not None:
+          return 128 + self._signal
+        outcome = self._run_node(attempt, configs, member)
+        if outcome.restart is None:
+          return outcome.code
+        attempt = outcome.restart
+        delay = spec.restart_delay(attempt)
+        self._say(f"restarting with every node ({attempt} of "
+                  f"{spec.max_restarts}) in {delay:g} s")
+        if not self._sleep(delay):
+          return 128 + self._signal
+    except rendezvous.RendezvousError as e:
+      self._say(f"node {spec.node_rank}: {e}")
+      return e.code
+    finally:
+      self._stop_all()
+      if member is not None:
+        member.close()
+      if master is not None:
+        master.close()
+      for s, h in handlers.items():
+        signal.signal(s, h)
+
+  def _run_node(self, attempt: int, configs: list[dict],
+                member: "rendezvous.Member") -> "_Outcome":
+    """Runs this node's part of one attempt until the rendezvous ends it."""
+    self._start_all(attempt, configs)
+    servers = "ps" in configs[0]["cluster"]
+    trainers = [t for t in self._tasks
+                if t.kind == "chief" or (t.kind == "worker" and not servers)]
+    done = failed = False
+    while True:  # A signal reaches the tasks, which end and are reported.
+      message = member.poll(timeout=0.1)
+      if message is not None:
+        kind = message["kind"]
+        if kind == "finish":
+          bad = self._finish_evaluator()
+          self._stop_all()
+          if bad:
+            self._report(TaskFailure(bad.role, bad.proc.returncode, bad.tail))
+            return _Outcome(_exit_code(bad.proc.returncode))
+          return _Outcome(0)
+        if kind in ("stop", "lost", "error"):
+          self._stop_all()
+          self._say(f"node {self._spec.node_rank} stops: {message['why']}")
+          code = (128 + self._signal if self._signal is not None
+                  else _exit_code(message.get("code", 1)))
+          return _Outcome(code, message.get("restart"))
+      if failed:
+        continue
+      for t in self._tasks:
+        code = t.proc.poll()
+        if code not in (None, 0):
+          t.reader.join(timeout=5)
+          failed = True
+          member.send({"kind": "failed", "role": t.role, "code": code,
+                       "attempt": attempt})
+          self._report(TaskFailure(t.role, code, t.tail))
+          self._stop_all()
+          break
+      if not failed and not done and trainers and all(
+          t.proc.poll() == 0 for t in trainers):
+        done = True
+        member.send({"kind": "done"})
 
   def _run_once(self, attempt: int) -> int:
     self._start_all(attempt)
@@ -370,23 +623,30 @@ class Launcher:
           return t
     return None
 
-  def _start_all(self, attempt: int) -> None:
+  def _start_all(self, attempt: int, configs: list[dict] | None = None
+                 ) -> None:
     """Starts every task, then their readers (so no thread runs while the
     launcher forks), or none: a task that cannot start stops the others."""
     env = dict(os.environ)
     env.update(self._spec.env)
-    if not env.get(_net.JOB_SECRET_VARIABLE):
-      env[_net.JOB_SECRET_VARIABLE] = secrets.token_hex(32)
+    env[_net.JOB_SECRET_VARIABLE] = (job_secret(self._spec)
+                                     or secrets.token_hex(32))
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ chatter.
     env.update(TFDIST_RESTART=str(attempt), PYTHONUNBUFFERED="1")
-    configs = self._spec.tf_configs()
+    configs = configs or self._spec.tf_configs()
+    gpus = gpu_plan(self._spec, [c["task"]["type"] for c in configs], env)
+    paths = [os.path.join(self._spec.log_dir,
+                          f"{c['task']['type']}-{c['task']['index']}.log")
+             if self._spec.log_dir else None for c in configs]
     logs: list[TextIO | None] = []
     self._tasks = []
     try:
-      for path in self._spec.log_paths() or [None] * len(configs):
+      for path in paths:
         logs.append(open(path, "a") if path else None)
-      for config, log in zip(configs, logs):
+      for config, log, gpu in zip(configs, logs, gpus):
         if self._signal is None:
-          self._tasks.append(self._start(config, env, log))
+          extra = {} if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu}
+          self._tasks.append(self._start(config, {**env, **extra}, log))
     except OSError as e:
       for log in logs[len(self._tasks):]:
         if log:
@@ -612,7 +872,7 @@ def _words(field: str, value, expected: str) -> None:
                                "bytes")
 
 
-def _host(host) -> None:
+def _host(field: str, host) -> None:
   """``host`` is an IP address or a DNS name (reachability: `preflight`)."""
   if isinstance(host, str):
     try:
@@ -621,9 +881,8 @@ def _host(host) -> None:
     except ValueError:
       if len(host) <= 253 and _HOSTNAME.fullmatch(host):
         return
-  raise ConfigError(field="host", value=host, source=_SOURCE,
-                    expected="an IP address or a DNS name of this machine, "
-                             "e.g. 127.0.0.1")
+  raise ConfigError(field=field, value=host, source=_SOURCE,
+                    expected="an IP address or a DNS name, e.g. 127.0.0.1")
 
 
 def _load_libc() -> ctypes.CDLL | None:

@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from tfdist._compat import keras as keras_compat
 from tfdist.cluster import local as local_lib
+from tfdist.cluster import names as names_lib
 from tfdist.cluster import resolve as resolve_lib
 from tfdist.cluster import resolver as resolver_lib
 from tfdist.cluster.info import ClusterInfo
@@ -140,6 +141,7 @@ def _build_multi_worker_mirrored(o: opts.MultiWorkerMirroredOptions,
   communication = tf.distribute.experimental.CommunicationOptions(
       bytes_per_pack=o.bytes_per_pack, timeout_seconds=o.timeout_seconds,
       implementation=_IMPLEMENTATIONS[o.implementation])
+  info = names_lib.resolve_names(info)  # Seconds, not the start-up bound.
   try:
     with startup_lib.bounded_startup(info, o.startup_timeout_seconds):
       return tf.distribute.MultiWorkerMirroredStrategy(
@@ -180,6 +182,7 @@ def _build_parameter_server(o: opts.ParameterServerOptions,
           expected=f"at least one {job} task for parameter_server",
           hint=("Start the cluster with tfdist launch --ps N --chief, or give "
                 "SLURM roles such as {'chief': 1, 'ps': 1, 'worker': 2}"))
+  info = names_lib.resolve_names(info)
   if info.task_type in ("ps", "worker"):
     # The same script runs on every task: these serve the chief, then end.
     logging.info("tfdist: %s:%s serves the chief until it finishes",

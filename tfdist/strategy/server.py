@@ -23,6 +23,7 @@ from absl import logging
 import tensorflow as tf
 
 from tfdist import _net
+from tfdist.cluster import names as names_lib
 from tfdist.cluster import resolve as resolve_lib
 from tfdist.cluster.info import ClusterInfo
 from tfdist.errors import ConfigError
@@ -52,6 +53,7 @@ def start_server(cluster: resolve_lib.ClusterLike | None = None
         field="task.type", value=info.task_type, source=info.origin,
         expected="ps or worker: only those tasks serve",
         hint="The chief builds make_strategy('parameter_server') instead")
+  info = names_lib.resolve_names(info)
   config = tf.compat.v1.ConfigProto()
   if info.task_type == "worker":
     config.inter_op_parallelism_threads = max(4, info.num_workers + 1)

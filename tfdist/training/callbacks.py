@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 from tfdist.strategy import introspect
+from tfdist.training import checkpoints as checkpoints_lib
 from tfdist.training import chief as chief_lib
 
 __all__ = ["chief_aware", "save_model"]
@@ -106,7 +107,13 @@ def save_model(model: keras.Model, path: str,
   strategy = (strategy or getattr(model, "distribute_strategy", None)
               or tf.distribute.get_strategy())
   final = chief_lib.absolute(path)
-  _check_free(final, path)
+  # Every worker checks before any writes: the chief cannot publish before
+  # a slower worker has looked (it would then find the chief's export).
+  checkpoints_lib.agreed(
+      strategy, lambda: _check_free(final, path), directory=path,
+      field="path", source="tfdist.save_model",
+      expected="a path every worker may save to",
+      peer_hint="Another worker refused it; its error says why")
   name = os.path.basename(final)
   with chief_lib.write_dir(os.path.dirname(final), strategy) as directory:
     os.makedirs(directory, exist_ok=True)

@@ -128,7 +128,10 @@ def restore_latest(checkpoint: tf.train.Checkpoint, directory: str | None, *,
 
 def agreed(strategy: tf.distribute.Strategy,
            restore: Callable[[], Position | None], *, directory: str,
-           field: str, source: str) -> Position | None:
+           field: str, source: str,
+           expected: str = "a directory every worker restores from",
+           peer_hint: str = ("Another worker failed to restore from it; its "
+                             "error says why")) -> Position | None:
   """Runs ``restore`` on every worker; they agree on its result or all fail.
 
   Under MultiWorkerMirroredStrategy with several workers, each worker's
@@ -146,6 +149,8 @@ def agreed(strategy: tf.distribute.Strategy,
     directory: the directory restored from, for messages.
     field: its argument name, e.g. ``"backup_dir"``.
     source: where it was given, e.g. ``"tfdist.fit"``.
+    expected: what its peers' error says was expected of ``directory``.
+    peer_hint: the hint of that error.
 
   Returns:
     What ``restore`` returned, the same on every worker.
@@ -171,9 +176,7 @@ def agreed(strategy: tf.distribute.Strategy,
     raise error
   if any(row[0] for row in rows):
     raise ConfigError(field=field, value=directory, source=source,
-                      expected="a directory every worker restores from",
-                      hint="Another worker failed to restore from it; its "
-                           "error says why")
+                      expected=expected, hint=peer_hint)
   if len(rows) > 1:
     seen = sorted("nothing" if not row[1] else f"position {list(row[2:])}"
                   for row in rows)

@@ -33,33 +33,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import secrets
 
+from tfdist._secret import ACCEPT, DIAL, VALUES, MAC_SIZE, NONCE_SIZE  # pylint: disable=unused-import
+from tfdist._secret import mac, nonce  # pylint: disable=unused-import
 from tfdist.perf.ring import exchange
 
 __all__ = ["ACCEPT", "DIAL", "VALUES", "MAC_SIZE", "NONCE_SIZE", "nonce",
            "mac", "Sealer"]
-
-#: The role labels of `mac`.
-ACCEPT, DIAL, VALUES = b"accept", b"dial", b"values"
-#: Bytes of a MAC (HMAC-SHA256) and of a nonce.
-MAC_SIZE = hashlib.sha256().digest_size
-NONCE_SIZE = 16
-
-
-def nonce() -> bytes:
-  """A fresh random nonce."""
-  return secrets.token_bytes(NONCE_SIZE)
-
-
-def mac(secret: bytes, role: bytes, key: str, *parts: bytes) -> bytes:
-  """HMAC-SHA256 under ``secret`` of ``role``, the ring ``key`` and ``parts``."""
-  h = hmac.new(secret, role, hashlib.sha256)
-  for part in (key.encode(), *parts):
-    h.update(len(part).to_bytes(4, "big"))  # Unambiguous concatenation.
-    h.update(part)
-  return h.digest()
-
 
 class Sealer:
   """Tags each step's bytes to the right and checks the left's tags.

@@ -1,0 +1,345 @@
+"""`tfdist launch` on several nodes: a rendezvous, one cluster, failures that
+stop every node, strangers kept out, GPUs placed per task.
+
+Two launchers on loopback stand for two nodes (cheap, no TensorFlow where it
+adds nothing); one test runs them in two hosts of the network-namespace test
+bed, with real addresses and a real all-reduce between them.
+"""
+
+import json
+import os
+import socket
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import pytest
+
+from tfdist import _net
+from tfdist.errors import ConfigError
+from tfdist.launch import local
+from tfdist.launch import rendezvous
+
+import cluster_utils
+import netbed
+
+TASK = os.path.join(cluster_utils.SCRIPTS, "launch_task.py")
+ALLREDUCE = os.path.join(cluster_utils.SCRIPTS, "allreduce.py")
+LAUNCH = [sys.executable, "-m", "tfdist", "launch"]
+SECRET = "4c1d0e6a9b-test-secret"
+#: Failure anywhere -> every node exited: the rendezvous notices at once
+#: (closed connection) or within SILENCE_SECONDS, then grace_seconds.
+BOUND_S = rendezvous.SILENCE_SECONDS + 10 + 10
+
+
+def _nodes(layouts, *, mode=("ok",), secret=SECRET, extra=(), env=None,
+           program=TASK):
+  """One launcher per layout (its flags), node ranks in order, on loopback."""
+  port = _net.free_ports(1)[0]
+  base = cluster_utils.base_env({**(env or {})})
+  if secret is not None:
+    base[_net.JOB_SECRET_VARIABLE] = secret
+  commands = [LAUNCH + ["--nnodes", str(len(layouts)), "--node-rank", str(r),
+                        "--master-addr", "127.0.0.1", "--master-port",
+                        str(port), *extra, *flags, "--", sys.executable,
+                        program, *mode]
+              for r, flags in enumerate(layouts)]
+  return cluster_utils.Tasks(commands=commands, envs=[base] * len(layouts),
+                             cwd=cluster_utils.REPO, merge_stderr=True), port
+
+
+def _envs(output: str) -> dict[str, dict]:
+  """Role -> what the task printed in ``env`` mode."""
+  seen = {}
+  for line in output.splitlines():
+    if "] env=" in line:
+      role = line[1:line.index("]")]
+      seen[role] = json.loads(line.split("env=", 1)[1])
+  return seen
+
+
+@pytest.mark.timeout(180)
+class TwoNodesTest(parameterized.TestCase):
+
+  def test_one_cluster_over_both_nodes(self):
+    tasks, _ = _nodes([["--workers", "1"], ["--workers", "2"]], mode=["env"])
+    with tasks:
+      codes = tasks.wait_all(60)
+      out = tasks.stdout(0) + tasks.stdout(1)
+    self.assertEqual(codes, [0, 0], out)
+    envs = _envs(out)
+    self.assertEqual(sorted(envs), ["worker:0", "worker:1", "worker:2"])
+    clusters = {json.dumps(e["cluster"], sort_keys=True) for e in envs.values()}
+    self.assertLen(clusters, 1)
+    self.assertLen(envs["worker:0"]["cluster"]["worker"], 3)
+    self.assertEqual({e["log_level"] for e in envs.values()}, {"2"})
+
+  def test_parameter_server_roles_on_chosen_nodes(self):
+    tasks, _ = _nodes([["--chief", "--ps", "1", "--workers", "0"],
+                       ["--workers", "2"]], mode=["serve"])
+    with tasks:
+      codes = tasks.wait_all(60)
+      out = tasks.stdout(0) + tasks.stdout(1)
+    self.assertEqual(codes, [0, 0], out)
+    self.assertIn("[chief:0] role=chief:0", tasks.stdout(0))
+    self.assertIn("[ps:0] role=ps:0", tasks.stdout(0))
+    self.assertIn("[worker:1] role=worker:1", tasks.stdout(1))
+
+  @parameterized.named_parameters(
+      ("two_chiefs", [["--chief"], ["--chief"]], "2 chief tasks"),
+      ("ps_without_chief", [["--ps", "1"], ["--workers", "1"]], "no chief"),
+      ("no_worker", [["--chief", "--workers", "0"], ["--workers", "0",
+                                                      "--evaluator"]],
+       "no node runs a worker"),
+  )
+  def test_a_layout_that_cannot_work_stops_every_node_with_2(self, layouts,
+                                                             why):
+    tasks, _ = _nodes(layouts)
+    with tasks:
+      codes = tasks.wait_all(60)
+      outs = [tasks.stdout(0), tasks.stdout(1)]
+    self.assertEqual(codes, [2, 2], outs)
+    for out in outs:
+      self.assertIn(why, out)
+      self.assertNotIn("role=", out)  # Nothing started.
+
+  def test_a_failed_task_stops_every_node_with_its_code(self):
+    tasks, _ = _nodes([[], []], mode=["fail1"])
+    with tasks:
+      start = time.monotonic()
+      codes = tasks.wait_all(BOUND_S + 30)
+      took = time.monotonic() - start
+      outs = [tasks.stdout(0), tasks.stdout(1)]
+    self.assertEqual(codes, [3, 3], outs)
+    self.assertIn("task worker:1 on node 1 failed", outs[0])
+    self.assertIn("something broke", outs[1])
+    self.assertLess(took, BOUND_S + 30)  # The wait's bound, not a speed.
+
+  def test_a_killed_master_node_stops_the_other_leaving_nothing(self):
+    tasks, _ = _nodes([[], []], mode=["stubborn"])
+    with tasks:
+      for i in (0, 1):
+        tasks.wait_for(i, lambda line: "ready" in line, 60)
+      pids = {int(p) for out in (tasks.stdout(0), tasks.stdout(1))
+              for p in re.findall(r"pid=(\d+)", out)}
+      tasks.kill(0)
+      code = tasks.wait(1, BOUND_S + 30)
+      out = tasks.stdout(1)
+    self.assertEqual(code, 1, out)
+    self.assertIn("lost the rendezvous on node 0", out)
+    alive = [p for p in pids if cluster_utils.alive(p)]
+    self.assertEqual(alive, [])
+
+  def test_restarts_together(self):
+    tasks, _ = _nodes([[], []], mode=["flaky", "1"],
+                      extra=["--max-restarts", "1",
+                             "--restart-delay-seconds", "0"])
+    with tasks:
+      codes = tasks.wait_all(90)
+      outs = [tasks.stdout(0), tasks.stdout(1)]
+    self.assertEqual(codes, [0, 0], outs)
+    for out in outs:
+      self.assertIn("restart=1", out)
+      self.assertIn("restarting with every node (1 of 1)", out)
+
+  def test_gpus_placed_per_task_and_none_for_ps(self):
+    tasks, _ = _nodes([["--chief", "--ps", "1", "--workers", "1"],
+                       ["--workers", "2"]], mode=["env"],
+                      env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    with tasks:
+      codes = tasks.wait_all(60)
+      out = tasks.stdout(0) + tasks.stdout(1)
+    self.assertEqual(codes, [0, 0], out)
+    gpus = {role: e["gpus"] for role, e in _envs(out).items()}
+    self.assertEqual(gpus, {"chief:0": "4,5", "worker:0": "6,7", "ps:0": "",
+                            "worker:1": "4,5", "worker:2": "6,7"})
+
+
+class StrangerTest(parameterized.TestCase):
+  """Connections without the job's secret join nothing and stop nothing."""
+
+  def _master(self):
+    port = _net.free_ports(1)[0]
+    master = rendezvous.Master(address=("127.0.0.1", port), nnodes=2,
+                               secret=b"right", timeout=30,
+                               log=open(os.devnull, "w"))
+    self.addCleanup(master.close)
+    return master, port
+
+  @parameterized.named_parameters(
+      ("wrong_secret", b"wrong"),
+      ("empty_secret", b""),
+  )
+  def test_a_member_without_the_secret_cannot_join(self, secret):
+    _, port = self._master()
+    with self.assertRaisesRegex(rendezvous.RendezvousError, "secret"):
+      rendezvous.Member(master=("127.0.0.1", port), rank=1, secret=secret,
+                        timeout=5)
+
+  @parameterized.named_parameters(
+      ("garbage", b"GET / HTTP/1.0\r\n\r\n" + b"x" * 64),
+      ("oversized_hello", b"TFDR" + b"\0" * 16 + b"\xff" * 100000),
+      ("replayed_proof", None),
+  )
+  def test_strangers_are_dropped_and_the_job_goes_on(self, payload):
+    _, port = self._master()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+      if payload is None:  # A proof made for other nonces.
+        s.sendall(b"TFDR" + b"\1" * 16)
+        s.recv(48)
+        s.sendall(b"\2" * 32)
+      else:
+        s.sendall(payload)
+      s.settimeout(10)
+      ended = False
+      try:
+        while s.recv(1 << 16):
+          pass
+        ended = True  # The master closed it.
+      except ConnectionResetError:
+        ended = True
+      self.assertTrue(ended)
+    members = [rendezvous.Member(master=("127.0.0.1", port), rank=r,
+                                 secret=b"right", timeout=10) for r in (0, 1)]
+    for m in members:
+      self.addCleanup(m.close)
+    placed = [None, None]
+    threads = [threading.Thread(target=lambda i=i: placed.__setitem__(
+        i, members[i].join(attempt=0, host="127.0.0.1",
+                           jobs={"worker": 1}, evaluator=False,
+                           ports=[1000 + i]))) for i in (0, 1)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(30)
+    self.assertEqual(placed[0]["cluster"],
+                     {"worker": ["127.0.0.1:1000", "127.0.0.1:1001"]})
+
+  def test_a_forged_message_ends_only_the_forger(self):
+    master, port = self._master()
+    member = rendezvous.Member(master=("127.0.0.1", port), rank=1,
+                               secret=b"right", timeout=5)
+    self.addCleanup(member.close)
+    # Inject a message on the member's connection without its key: the
+    # master drops that connection instead of acting on it.
+    body = json.dumps({"kind": "failed", "role": "worker:0", "code": 9,
+                       "attempt": 0}).encode()
+    member._channel.sock.sendall(len(body).to_bytes(4, "big") + body
+                                 + b"\0" * 32)
+    lost = None
+    deadline = time.monotonic() + 15
+    while lost is None and time.monotonic() < deadline:
+      lost = member.poll(timeout=0.5)
+    self.assertIsNotNone(lost)
+    self.assertEqual(lost["kind"], "lost")
+
+
+class NodeSpecTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("rank_past_nodes", dict(nnodes=2, node_rank=2, master_addr="h",
+                               master_port=1), "node_rank"),
+      ("no_master_addr", dict(nnodes=2, master_port=1), "master_addr"),
+      ("no_master_port", dict(nnodes=2, master_addr="h"), "master_port"),
+      ("bad_master_addr", dict(nnodes=2, master_addr="a..b", master_port=1),
+       "master_addr"),
+      ("zero_nodes", dict(nnodes=0), "nnodes"),
+      ("negative_gpus", dict(gpus_per_task=-1), "gpus_per_task"),
+      ("empty_node", dict(nnodes=2, master_addr="h", master_port=1,
+                          num_workers=0), "num_workers"),
+  )
+  def test_bad_node_fields_are_named(self, kwargs, field):
+    with self.assertRaises(ConfigError) as raised:
+      local.LaunchSpec(command=("python", "x.py"), **kwargs)
+    self.assertEqual(raised.exception.field, field)
+
+  def test_several_nodes_need_a_secret(self):
+    spec = local.LaunchSpec(command=(sys.executable, "-c", "pass"), nnodes=2,
+                            master_addr="127.0.0.1", master_port=1)
+    saved = os.environ.pop(_net.JOB_SECRET_VARIABLE, None)
+    try:
+      with self.assertRaisesRegex(ConfigError, "TFDIST_JOB_SECRET"):
+        local.preflight(spec)
+    finally:
+      if saved is not None:
+        os.environ[_net.JOB_SECRET_VARIABLE] = saved
+
+  def test_a_secret_file_others_can_read_is_refused(self):
+    directory = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, directory)
+    path = os.path.join(directory, "secret")
+    with open(path, "w") as f:
+      f.write("s3cret\n")
+    os.chmod(path, 0o644)
+    spec = local.LaunchSpec(command=("x",), nnodes=2, master_addr="h",
+                            master_port=1, secret_file=path,
+                            env={_net.JOB_SECRET_VARIABLE: ""})
+    with self.assertRaisesRegex(ConfigError, "chmod 600"):
+      local.job_secret(spec)
+    os.chmod(path, 0o600)
+    self.assertEqual(local.job_secret(spec), "s3cret")
+
+  @parameterized.named_parameters(
+      ("even_split", "0,1,2,3", ["worker", "worker"], None,
+       ["0,1", "2,3"]),
+      ("ps_gets_none", "0,1", ["chief", "worker", "ps"], None,
+       ["0", "1", ""]),
+      ("fewer_gpus_than_tasks_round_robin", "0", ["worker", "worker"], None,
+       ["0", "0"]),
+      ("asked_per_task", "0,1,2,3", ["worker", "evaluator"], 1, ["0", "1"]),
+      ("no_gpu_leaves_it_alone", "", ["worker"], None, [None]),
+  )
+  def test_gpu_plan(self, visible, kinds, each, expected):
+    spec = local.LaunchSpec(command=("x",), gpus_per_task=each)
+    self.assertEqual(local.gpu_plan(
+        spec, kinds, {"CUDA_VISIBLE_DEVICES": visible} if visible else {}),
+        expected if visible or os.path.isdir("/proc/driver/nvidia/gpus")
+        else [None] * len(kinds))
+
+  def test_gpu_plan_refuses_more_than_there_are(self):
+    spec = local.LaunchSpec(command=("x",), gpus_per_task=3)
+    with self.assertRaises(ConfigError) as raised:
+      local.gpu_plan(spec, ["worker", "worker"],
+                     {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    self.assertEqual(raised.exception.field, "gpus_per_task")
+
+
+_BED = netbed.netbed_unavailable_reason()
+
+
+@pytest.mark.timeout(240)
+@absltest.skipIf(_BED is not None, _BED)
+class TwoHostsTest(absltest.TestCase):
+
+  def test_all_reduce_across_two_hosts_with_tfdist_launch(self):
+    with netbed.NetBed(hosts=("node1", "node2"), resolvable=False) as bed:
+      master = bed.address("node1")
+      env = cluster_utils.base_env({_net.JOB_SECRET_VARIABLE: SECRET})
+      procs = [bed.popen(host, LAUNCH + [
+          "--nnodes", "2", "--node-rank", str(rank), "--master-addr", master,
+          "--master-port", "29400", "--", sys.executable, ALLREDUCE,
+          "multi_worker_mirrored"], env=env, cwd=cluster_utils.REPO,
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+          for rank, host in enumerate(bed.hosts)]
+      outs = [p.communicate(timeout=180)[0] for p in procs]
+    self.assertEqual([p.returncode for p in procs], [0, 0], outs)
+    results = [json.loads(line.split("] ", 1)[1]) for out in outs
+               for line in out.splitlines() if '"sum"' in line]
+    self.assertLen(results, 2, outs)
+    for r in results:
+      self.assertEqual(r["sum"], 3.0)
+      self.assertEqual(r["cluster"]["worker"],
+                       ["198.18.0.11:" + r["cluster"]["worker"][0]
+                        .split(":")[1],
+                        "198.18.0.12:" + r["cluster"]["worker"][1]
+                        .split(":")[1]])
+
+
+if __name__ == "__main__":
+  absltest.main()
