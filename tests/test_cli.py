@@ -9,6 +9,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import cluster_utils
+import tfdist
 
 TWO_WORKERS = {"cluster": {"worker": ["127.0.0.1:{p0}", "127.0.0.1:{p1}"]},
                "task": {"type": "worker", "index": 1}}
@@ -158,6 +159,22 @@ class HelpTest(parameterized.TestCase):
     heavy = [m for m in result["modules"]
              if m.split(".")[0] in ("tensorflow", "keras", "numpy")]
     self.assertEqual(heavy, [])
+
+
+class VersionTest(absltest.TestCase):
+
+  def test_version_is_one_line_and_loads_no_tensorflow(self):
+    r = subprocess.run([sys.executable, "-c", _IMPORTS_OF, "--version"],
+                       env=cluster_utils.base_env(), capture_output=True,
+                       text=True, timeout=60, cwd=cluster_utils.REPO)
+    self.assertEqual(r.returncode, 0, r.stderr)
+    lines = r.stdout.strip().splitlines()
+    self.assertEqual(lines[0], f"tfdist {tfdist.__version__}")
+    result = json.loads(lines[-1])
+    self.assertEqual(result["code"], 0)
+    self.assertEqual([m for m in result["modules"]
+                      if m.split(".")[0] in ("tensorflow", "keras", "numpy")],
+                     [])
 
 
 class PublicApiTest(absltest.TestCase):

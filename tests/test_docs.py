@@ -53,5 +53,20 @@ class DocsTest(absltest.TestCase):
     self.assertEqual(cited, [])
 
 
+
+class LicenseTest(absltest.TestCase):
+
+  def test_apache_2_license_is_shipped_and_named(self):
+    with open(os.path.join(ROOT, "LICENSE")) as f:
+      text = f.read()
+    self.assertEqual(text.split()[:4], ["Apache", "License", "Version", "2.0,"])
+    for section in range(1, 10):
+      self.assertIn(f"\n   {section}. ", text)
+    self.assertIn("END OF TERMS AND CONDITIONS", text)
+    with open(os.path.join(ROOT, "setup.cfg")) as f:
+      setup = f.read()
+    self.assertIn("license = Apache-2.0\n", setup)
+    self.assertIn("license_files = LICENSE\n", setup)
+
 if __name__ == "__main__":
   absltest.main()

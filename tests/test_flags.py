@@ -112,6 +112,19 @@ class StrategyConfigTest(parameterized.TestCase):
       ("tpu_grpc", ["--strategy=tpu", "--tpu=grpc://10.0.0.2:8470"], "tpu",
        {"tpu": "grpc://10.0.0.2:8470"}),
       ("case_insensitive", ["--strategy=Mirrored"], "mirrored", {}),
+      # Model Garden's flags, with Model Garden's meaning.
+      ("all_gpus", ["--strategy=mirrored", "--num_gpus=-1"], "mirrored", {}),
+      ("gpus_ignored_by_mwms", ["--strategy=multi_worker_mirrored",
+                                "--num_gpus=2"], "multi_worker_mirrored", {}),
+      ("gpus_ignored_by_tpu", ["--strategy=tpu", "--num_gpus=1"], "tpu", {}),
+      ("gpus_ignored_by_ps", ["--distribution_strategy=parameter_server",
+                              "--num_gpus=8"], "parameter_server", {}),
+      ("num_packs", ["--strategy=mirrored", "--all_reduce_alg=nccl",
+                     "--num_packs=4"], "mirrored",
+       {"cross_device_ops": "nccl", "num_packs": 4}),
+      ("tpu_zone_project", ["--tpu=my-tpu", "--tpu_zone=us-central1-b",
+                            "--tpu_project=proj"], "tpu",
+       {"tpu": "my-tpu", "zone": "us-central1-b", "project": "proj"}),
   )
   def test_options(self, args, name, options):
     fv = _parsed(*args)
@@ -166,14 +179,31 @@ class InvalidFlagsTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("unknown_strategy", ["--strategy=horovod"], "--strategy"),
-      ("negative_gpus", ["--strategy=mirrored", "--num_gpus=-1"],
+      ("gpus_below_all", ["--strategy=mirrored", "--num_gpus=-2"],
        "--num_gpus"),
       ("one_device_two_gpus", ["--strategy=one_device", "--num_gpus=2"],
        "--num_gpus"),
       ("off_eight_gpus", ["--strategy=off", "--num_gpus=8"], "--num_gpus"),
-      ("gpus_with_mwms", ["--strategy=multi_worker_mirrored", "--num_gpus=2"],
-       "--num_gpus"),
-      ("gpus_with_tpu", ["--strategy=tpu", "--num_gpus=1"], "--num_gpus"),
+      ("dtype_unknown", ["--dtype=fp8"], "--dtype"),
+      ("dtype_and_mixed_precision_disagree", ["--dtype=fp16",
+                                               "--mixed_precision=bfloat16"],
+       "--dtype=fp16 and --mixed_precision=bfloat16 disagree"),
+      ("loss_scale_without_fp16", ["--loss_scale=dynamic"], "--loss_scale"),
+      ("loss_scale_with_bf16", ["--dtype=bf16", "--loss_scale=128"],
+       "applies to fp16 only"),
+      ("loss_scale_not_a_number", ["--dtype=fp16", "--loss_scale=big"],
+       "'dynamic' or a positive number"),
+      ("loss_scale_zero", ["--dtype=fp16", "--loss_scale=0"],
+       "'dynamic' or a positive number"),
+      ("num_packs_zero", ["--strategy=mirrored", "--all_reduce_alg=nccl",
+                          "--num_packs=0"], "--num_packs"),
+      ("num_packs_without_packing_alg", ["--strategy=mirrored",
+                                         "--num_packs=2"], "--num_packs=2"),
+      ("num_packs_with_mwms", ["--strategy=multi_worker_mirrored",
+                               "--all_reduce_alg=ring", "--num_packs=2"],
+       "--num_packs=2"),
+      ("tpu_zone_without_tpu", ["--strategy=tpu", "--tpu_zone=us-central1-b"],
+       "--tpu_zone"),
       ("ring_with_mirrored", ["--strategy=mirrored", "--all_reduce_alg=ring"],
        "--all_reduce_alg"),
       ("hierarchical_with_mwms", ["--strategy=multi_worker_mirrored",
@@ -231,8 +261,6 @@ class InvalidFlagsTest(parameterized.TestCase):
        "it takes none (mirrored and multi_worker_mirrored do)"),
       ("alg_valid", ["--strategy=mirrored", "--all_reduce_alg=ring"],
        "it takes hierarchical_copy, nccl, reduction_to_one_device"),
-      ("gpu_takers", ["--strategy=tpu", "--num_gpus=1"],
-       "it applies to central_storage, default, mirrored, off, one_device."),
       ("gpu_most", ["--strategy=off", "--num_gpus=2"],
        "which uses at most 1; use --strategy=mirrored"),
       ("roles_takers", ["--strategy=mirrored", "--slurm_roles=worker=2"],
@@ -322,6 +350,35 @@ class BuildTest(parameterized.TestCase):
     with self.assertRaises(ConfigError) as e:
       tfdist_flags.strategy_from_flags(fv)
     self.assertEqual(e.exception.field, "num_gpus")
+
+
+class ModelGardenPrecisionTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("fp16", ["--dtype=fp16"], "float16", None),
+      ("bf16", ["--dtype=bf16"], "bfloat16", None),
+      ("fp32", ["--dtype=fp32"], "none", None),
+      ("fp16_dynamic", ["--dtype=fp16", "--loss_scale=dynamic"], "float16",
+       "dynamic"),
+      ("fp16_fixed", ["--dtype=fp16", "--loss_scale=128"], "float16", "128"),
+      ("agreeing_flags", ["--dtype=fp16", "--mixed_precision=float16"],
+       "float16", None),
+  )
+  def test_dtype_and_loss_scale(self, args, policy, scale):
+    options = tfdist_flags.training_options(_parsed(*args))
+    self.assertEqual((options.mixed_precision, options.loss_scale),
+                     (policy, scale))
+
+  def test_a_number_starts_the_loss_scale_there(self):
+    import keras  # pylint: disable=g-import-not-at-top
+    options = tfdist_flags.training_options(
+        _parsed("--dtype=fp16", "--loss_scale=128"))
+    wrapped = options.loss_scale_optimizer(keras.optimizers.SGD(0.1))
+    self.assertIsInstance(wrapped, keras.optimizers.LossScaleOptimizer)
+    self.assertEqual(float(wrapped.initial_scale), 128.0)
+    plain = keras.optimizers.SGD(0.1)
+    self.assertIs(tfdist_flags.training_options(
+        _parsed("--dtype=fp16")).loss_scale_optimizer(plain), plain)
 
 
 class TrainingOptionsTest(absltest.TestCase):

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import pty
 import re
 import signal
 import socket
@@ -136,6 +137,53 @@ class LaunchTest(parameterized.TestCase):
     self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
     for role in ("chief:0", "worker:0", "worker:1"):
       self.assertIn(f"[{role}] role={role} pid=", r.stdout)
+
+  def test_a_real_keras_progress_bar_reads_as_lines_in_a_pipe_and_log(self):
+    with tempfile.TemporaryDirectory() as d:
+      r = _launch("--workers", "2", "--log-dir", d, "--", sys.executable, TASK,
+                  "keras_bar")
+      with open(os.path.join(d, "worker-0.log")) as f:
+        log = f.read()
+    self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+    for text in (r.stdout, log):
+      self.assertNotIn("\r", text)
+      self.assertNotIn("\b", text)
+    bars = [line for line in r.stdout.splitlines() if "4/4" in line]
+    self.assertLen(bars, 1, r.stdout)  # Only the final state, once.
+    self.assertTrue(bars[0].startswith("[worker:0] 4/4 "), bars[0])
+    self.assertEqual(bars[0].count("[worker:"), 1)
+    self.assertIn("4/4", log)
+
+  def test_a_progress_bar_on_a_terminal_keeps_one_prefix_per_line(self):
+    main, sub = pty.openpty()
+    try:
+      proc = subprocess.Popen(
+          LAUNCH + ["--workers", "2", "--", sys.executable, TASK, "progress"],
+          env=cluster_utils.base_env(), stdout=sub, stderr=sub,
+          cwd=cluster_utils.REPO)
+      os.close(sub)
+      out = b""
+      while True:
+        try:
+          chunk = os.read(main, 65536)
+        except OSError:  # EIO: the launcher closed the terminal.
+          break
+        if not chunk:
+          break
+        out += chunk
+      self.assertEqual(proc.wait(timeout=60), 0, out)
+    finally:
+      os.close(main)
+    # What a terminal shows: each line as its last carriage return left it.
+    shown = [line.rsplit("\r", 1)[-1].replace("\x1b[K", "")
+             for line in out.decode().replace("\r\n", "\n").split("\n")]
+    shown = [line for line in shown if line.strip()]
+    for line in shown:
+      self.assertEqual(line.count("[worker:"), 1, shown)
+    self.assertIn("[worker:0] 5/5 [=====] - loss: 0.2000", shown)
+    self.assertEqual([l for l in shown if l.startswith("[worker:1] line")],
+                     [f"[worker:1] line {i}" for i in range(3)])
+    self.assertIn(b"\r[worker:0] 3/5", out)  # Drawn live on a terminal.
 
   def test_tf_configs_share_one_cluster(self):
     with tempfile.TemporaryDirectory() as d:

@@ -340,6 +340,37 @@ class TwoHostsTest(absltest.TestCase):
                         "198.18.0.12:" + r["cluster"]["worker"][1]
                         .split(":")[1]])
 
+  def test_a_failure_on_one_host_stops_both_and_a_stranger_joins_nothing(self):
+    stranger = (
+        "import sys\n"
+        "from tfdist.launch import rendezvous\n"
+        "try:\n"
+        "  rendezvous.Member(master=(sys.argv[1], 29400), rank=1,\n"
+        "                    secret=b'guessed', timeout=20)\n"
+        "except rendezvous.RendezvousError as e:\n"
+        "  print('refused:', e)\n")
+    with netbed.NetBed(hosts=("node1", "node2", "intruder")) as bed:
+      master = bed.address("node1")
+      env = cluster_utils.base_env({_net.JOB_SECRET_VARIABLE: SECRET})
+      node0 = bed.popen("node1", LAUNCH + [
+          "--nnodes", "2", "--node-rank", "0", "--master-addr", master,
+          "--master-port", "29400", "--", sys.executable, TASK, "fail1"],
+          env=env, cwd=cluster_utils.REPO, stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT, text=True)
+      intruder = bed.run("intruder", [sys.executable, "-c", stranger, master],
+                         env=cluster_utils.base_env(), timeout=60)
+      node1 = bed.popen("node2", LAUNCH + [
+          "--nnodes", "2", "--node-rank", "1", "--master-addr", master,
+          "--master-port", "29400", "--", sys.executable, TASK, "fail1"],
+          env=env, cwd=cluster_utils.REPO, stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT, text=True)
+      outs = [p.communicate(timeout=BOUND_S + 60)[0] for p in (node0, node1)]
+    self.assertIn("refused:", intruder.stdout, intruder.stderr)
+    self.assertIn("secret", intruder.stdout)
+    self.assertEqual([node0.returncode, node1.returncode], [3, 3], outs)
+    self.assertIn("turned away a connection from 198.18.0.13", outs[0])
+    self.assertIn("task worker:1 on node 1 failed", outs[0])
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -19,7 +19,7 @@ from __future__ import annotations
 from tfdist import _lazy
 from tfdist.strategy import OPTION_CLASSES as _OPTION_CLASSES
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # Public name -> the module that defines it, grouped by floor.
 _EXPORTS: dict[str, str] = {

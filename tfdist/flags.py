@@ -11,13 +11,17 @@ changes a flag's value. What each ``--strategy`` accepts is read from
 |---------------------------|----------------------------------------------------|
 | ``--strategy``            | one of `STRATEGY_CHOICES`; ``off`` is ``default``  |
 | ``--distribution_strategy`` | alias of ``--strategy`` (Model Garden's name)    |
-| ``--num_gpus``            | GPUs for one_device (0-1), mirrored, central_storage; 0 or 1 with off |
+| ``--num_gpus``            | GPUs for one_device (0-1), mirrored, central_storage; 0 or 1 with off; -1: all; ignored (with a note) by the multi-worker, parameter-server and TPU strategies, as in Model Garden |
 | ``--all_reduce_alg``      | mirrored: nccl, hierarchical_copy, reduction_to_one_device; multi_worker_mirrored: ring, nccl |
 | ``--tpu``                 | ``local``, a TPU name or ``grpc://host:port``      |
+| ``--tpu_zone``, ``--tpu_project`` | the Cloud zone and project of a named TPU |
+| ``--num_packs``           | gradient packs of mirrored's nccl and hierarchical_copy all-reduce |
 | ``--worker_hosts``        | ``host:port,host:port``: an explicit cluster of workers |
 | ``--task_index``          | this process's index in ``--worker_hosts``         |
 | ``--slurm_roles``         | ``chief=1,ps=1,worker=2``: SLURM ranks' roles, in rank order |
 | ``--mixed_precision``     | none, float16, bfloat16: see `apply_mixed_precision` |
+| ``--dtype``               | Model Garden's name for it: fp32, fp16, bf16       |
+| ``--loss_scale``          | fp16 only: ``dynamic`` or a starting scale; see `TrainingOptions.loss_scale_optimizer` |
 | ``--jit_compile``         | XLA; alias ``--enable_xla``                        |
 | ``--steps_per_execution`` | steps per ``tf.function`` call                     |
 
@@ -49,6 +53,7 @@ import types
 from typing import Any, Callable, Mapping, Sequence
 
 from absl import flags
+from absl import logging
 
 from tfdist.cluster import tpu as tpu_lib
 from tfdist.cluster.slurm import parse_roles
@@ -66,6 +71,7 @@ __all__ = [
     "STRATEGY_CHOICES",
     "ALL_REDUCE_ALGS",
     "MIXED_PRECISION_POLICIES",
+    "DTYPES",
     "define_flags",
     "parse_flags",
     "run",
@@ -86,6 +92,9 @@ _ALL_REDUCE_SPECS = tuple(s for s in catalog.CATALOG.values()
 #: --mixed_precision value -> Keras policy (None: leave the policy alone).
 MIXED_PRECISION_POLICIES: Mapping[str, str | None] = types.MappingProxyType({
     "none": None, "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"})
+#: Model Garden's ``--dtype`` -> ``--mixed_precision``.
+DTYPES: Mapping[str, str] = types.MappingProxyType({
+    "fp32": "none", "fp16": "float16", "bf16": "bfloat16"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -132,6 +141,23 @@ class TrainingOptions:
   mixed_precision: str = "none"
   jit_compile: bool = False
   steps_per_execution: int = 1
+  loss_scale: str | None = None
+
+  def loss_scale_optimizer(self, optimizer):
+    """``optimizer`` wrapped for ``--loss_scale``, or as it is.
+
+    Keras 3 wraps the optimizer of a ``mixed_float16`` model in a dynamic
+    ``LossScaleOptimizer`` by itself, so ``dynamic`` (and no flag) changes
+    nothing. A number N starts the scale at N and never raises it; Keras 3
+    has no fixed loss scale, so it still halves on a step whose gradients
+    overflow (Model Garden's fixed scale would skip nothing).
+    """
+    if self.loss_scale in (None, "dynamic"):
+      return optimizer
+    import keras  # pylint: disable=g-import-not-at-top
+    return keras.optimizers.LossScaleOptimizer(
+        optimizer, initial_scale=float(self.loss_scale),
+        dynamic_growth_steps=2**31 - 1)
 
   @property
   def policy(self) -> str | None:
@@ -170,8 +196,10 @@ def define_flags(flag_values: FlagValues = _FLAGS, *,
           flag_values=fv, case_sensitive=False),
       num_gpus=flags.DEFINE_integer(
           "num_gpus", None, "GPUs to use (one_device: 0 or 1; mirrored, "
-          "central_storage: 0..N, 0 meaning the CPU). Default: all.",
-          lower_bound=0, flag_values=fv),
+          "central_storage: 0..N, 0 meaning the CPU; -1 or unset: all). "
+          "Multi-worker, parameter-server and TPU strategies use every "
+          "device a task sees and ignore it, as Model Garden does.",
+          lower_bound=-1, flag_values=fv),
       all_reduce_alg=flags.DEFINE_enum(
           "all_reduce_alg", None, ALL_REDUCE_ALGS,
           "Gradient all-reduce. " + "; ".join(
@@ -203,6 +231,20 @@ def define_flags(flag_values: FlagValues = _FLAGS, *,
           "steps_per_execution", 1, "Training steps per tf.function call.",
           lower_bound=1, flag_values=fv),
   )
+  flags.DEFINE_enum(
+      "dtype", None, tuple(DTYPES),
+      "Model Garden's precision flag: fp16 and bf16 set the mixed-precision "
+      "policy as --mixed_precision=float16 / bfloat16 do.", flag_values=fv)
+  flags.DEFINE_string(
+      "loss_scale", None, "fp16 only: 'dynamic' (Keras's default) or a "
+      "positive starting loss scale.", flag_values=fv)
+  flags.DEFINE_integer(
+      "num_packs", None, "Gradient packs of mirrored's nccl or "
+      "hierarchical_copy all-reduce.", lower_bound=1, flag_values=fv)
+  flags.DEFINE_string("tpu_zone", None, "The Cloud zone of a named --tpu.",
+                      flag_values=fv)
+  flags.DEFINE_string("tpu_project", None,
+                      "The Cloud project of a named --tpu.", flag_values=fv)
   flags.DEFINE_alias("distribution_strategy", "strategy", flag_values=fv)
   flags.DEFINE_alias("enable_xla", "jit_compile", flag_values=fv)
   _register_validators(fv)
@@ -281,18 +323,59 @@ def _accepted_by(predicate: Callable[[catalog.StrategySpec], bool]) -> str:
 
 def _check_num_gpus(values: Mapping[str, Any]) -> bool:
   rule, n = catalog.lookup(values["strategy"]).gpus, values["num_gpus"]
-  if n is None:
-    return True
-  if rule is None:
-    raise flags.ValidationError(
-        f"--num_gpus={n} does not apply to --strategy={values['strategy']}; "
-        f"it applies to {_accepted_by(lambda s: s.gpus is not None)}. "
-        "Multi-worker and TPU strategies use every device a task sees "
-        "(choose GPUs with CUDA_VISIBLE_DEVICES or SLURM's --gpus-per-node)")
+  if n is None or n == -1 or rule is None:
+    return True  # All GPUs; or ignored with a note (`strategy_config`).
   if rule.most is not None and n > rule.most:
     raise flags.ValidationError(
         f"--num_gpus={n} is too many for --strategy={values['strategy']}, "
         f"which uses at most {rule.most}; use --strategy=mirrored")
+  return True
+
+
+def _check_precision(values: Mapping[str, Any]) -> bool:
+  dtype, policy = values["dtype"], values["mixed_precision"]
+  if dtype is not None and policy != "none" and DTYPES[dtype] != policy:
+    raise flags.ValidationError(
+        f"--dtype={dtype} and --mixed_precision={policy} disagree; give one "
+        f"of them (--dtype={dtype} means --mixed_precision={DTYPES[dtype]})")
+  scale = values["loss_scale"]
+  if scale is None:
+    return True
+  if scale != "dynamic":
+    try:
+      ok = float(scale) > 0 and float(scale) != float("inf")
+    except ValueError:
+      ok = False
+    if not ok:
+      raise flags.ValidationError(
+          f"--loss_scale={scale!r}: expected 'dynamic' or a positive number")
+  if "float16" not in (policy, DTYPES.get(dtype)):
+    raise flags.ValidationError(
+        f"--loss_scale={scale} applies to fp16 only; add --dtype=fp16 (or "
+        "--mixed_precision=float16), or drop it")
+  return True
+
+
+def _check_num_packs(values: Mapping[str, Any]) -> bool:
+  packs, name = values["num_packs"], values["strategy"]
+  if packs is None:
+    return True
+  spec = catalog.lookup(name)
+  if spec.name != "mirrored" or values["all_reduce_alg"] not in (
+      "nccl", "hierarchical_copy"):
+    raise flags.ValidationError(
+        f"--num_packs={packs} applies to --strategy=mirrored with "
+        "--all_reduce_alg=nccl or hierarchical_copy, not --strategy="
+        f"{name} with --all_reduce_alg={values['all_reduce_alg']}")
+  return True
+
+
+def _check_tpu_place(values: Mapping[str, Any]) -> bool:
+  for flag in ("tpu_zone", "tpu_project"):
+    if values[flag] is not None and values["tpu"] is None:
+      raise flags.ValidationError(
+          f"--{flag}={values[flag]!r} names where a TPU named by --tpu is; "
+          "add --tpu=NAME")
   return True
 
 
@@ -378,7 +461,10 @@ def _register_validators(fv: FlagValues) -> None:
       (("strategy", "tpu", "worker_hosts", "slurm_roles"),
        _check_strategy_tpu),
       (("strategy", "worker_hosts"), _check_strategy_hosts),
-      (("strategy", "slurm_roles", "worker_hosts"), _check_roles)):
+      (("strategy", "slurm_roles", "worker_hosts"), _check_roles),
+      (("dtype", "mixed_precision", "loss_scale"), _check_precision),
+      (("strategy", "all_reduce_alg", "num_packs"), _check_num_packs),
+      (("tpu", "tpu_zone", "tpu_project"), _check_tpu_place)):
     flags.register_multi_flags_validator(list(names), checker, flag_values=fv)
 
 
@@ -429,8 +515,16 @@ def strategy_config(flag_values: FlagValues = _FLAGS) -> StrategyConfig:
   fv = flag_values
   spec = catalog.lookup(fv["strategy"].value)
   options: dict[str, Any] = {}
-  if fv["num_gpus"].value is not None:
-    options.update(spec.gpus.options(fv["num_gpus"].value))
+  gpus = fv["num_gpus"].value
+  if gpus is not None and gpus != -1:  # -1: all, the default.
+    if spec.gpus is None:
+      logging.info("tfdist: --num_gpus=%d is ignored by --strategy=%s, which "
+                   "uses every device a task sees (as Model Garden does)",
+                   gpus, spec.name)
+    else:
+      options.update(spec.gpus.options(gpus))
+  if fv["num_packs"].value is not None:
+    options["num_packs"] = fv["num_packs"].value
   if fv["all_reduce_alg"].value is not None:
     field, value = spec.all_reduce[fv["all_reduce_alg"].value]
     options[field] = value
@@ -438,6 +532,9 @@ def strategy_config(flag_values: FlagValues = _FLAGS) -> StrategyConfig:
   if fv["tpu"].value is not None:
     builder = "tpu"  # --tpu with auto means a TPU.
     options["tpu"] = fv["tpu"].value
+    for flag, field in (("tpu_zone", "zone"), ("tpu_project", "project")):
+      if fv[flag].value is not None:
+        options[field] = fv[flag].value
   cluster = None
   if fv["worker_hosts"].value is not None:
     hosts = _hosts(fv["worker_hosts"].value)
@@ -488,9 +585,13 @@ def strategy_from_flags(flag_values: FlagValues = _FLAGS):
 
 
 def training_options(flag_values: FlagValues = _FLAGS) -> TrainingOptions:
-  """``--mixed_precision``, ``--jit_compile`` and ``--steps_per_execution``."""
+  """``--mixed_precision`` (or ``--dtype``), ``--loss_scale``,
+  ``--jit_compile`` and ``--steps_per_execution``."""
+  dtype = flag_values["dtype"].value
   return TrainingOptions(
-      mixed_precision=flag_values["mixed_precision"].value,
+      mixed_precision=(DTYPES[dtype] if dtype is not None
+                       else flag_values["mixed_precision"].value),
+      loss_scale=flag_values["loss_scale"].value,
       jit_compile=flag_values["jit_compile"].value,
       steps_per_execution=flag_values["steps_per_execution"].value)
 

@@ -74,6 +74,10 @@ def define_example_flags(flag_values: flags.FlagValues = _FLAGS) -> None:
                       "(written by the chief)", flag_values=flag_values)
   flags.DEFINE_integer("eval_steps", None, "evaluation steps (default: a "
                        "full pass)", lower_bound=1, flag_values=flag_values)
+  # Model Garden's names for the same flags.
+  flags.DEFINE_alias("batch_size", "global_batch_size",
+                     flag_values=flag_values)
+  flags.DEFINE_alias("train_epochs", "epochs", flag_values=flag_values)
 
 
 def example_config(flag_values: flags.FlagValues = _FLAGS) -> ExampleConfig:

@@ -18,6 +18,10 @@ Prints its role and pid first. Modes:
               CUDA_VISIBLE_DEVICES, TF_CPP_MIN_LOG_LEVEL and the host name,
               then exit 0 (with ps tasks: the chief after 3 s, the others
               serve until stopped)
+  progress    worker 0 draws a progress bar of 5 states as Keras's does
+              (backspaces, a carriage return, the state; a newline at the
+              end), worker 1 prints 3 lines meanwhile; then exit 0
+  keras_bar   worker 0 runs a real keras.utils.Progbar over 4 steps
   grpc        start TensorFlow's gRPC server for this task and print the
               address it listens on: "bound=wildcard" for every interface
 """
@@ -44,6 +48,28 @@ def sleep_forever():
 
 
 if mode == "ok":
+  sys.exit(0)
+if mode == "progress":
+  if role == "worker:0":
+    width = 0
+    for i in range(1, 6):
+      state = f"{i}/5 [{'=' * i}{'.' * (5 - i)}] - loss: {1 / i:.4f}"
+      sys.stdout.write("\b" * width + "\r" + state)
+      sys.stdout.flush()
+      width = len(state)
+      time.sleep(0.05)
+    sys.stdout.write("\n")
+  else:
+    for i in range(3):
+      print(f"line {i}", flush=True)
+      time.sleep(0.06)
+  sys.exit(0)
+if mode == "keras_bar":
+  if role == "worker:0":
+    import keras  # pylint: disable=g-import-not-at-top
+    bar = keras.utils.Progbar(4)
+    for i in range(1, 5):
+      bar.update(i, values=[("loss", 1.0 / i)])
   sys.exit(0)
 if mode == "env":
   import socket

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
   """The parser of ``tfdist`` and every subcommand."""
   parser = _Parser(prog="tfdist",
                    description="Distributed TensorFlow training made to work.")
+  parser.add_argument("--version", action="version",
+                      version=f"tfdist {_version()}")
   sub = parser.add_subparsers(dest="command", metavar="COMMAND",
                               parser_class=_Parser)
   for name, (help_text, module) in _COMMANDS.items():
@@ -63,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=help_text, description=help_text))
   parser.commands = sub.choices  # type: ignore[attr-defined]
   return parser
+
+
+def _version() -> str:
+  """tfdist's version, without importing TensorFlow."""
+  from tfdist import __version__  # The facade loads its names lazily.
+  return __version__
 
 
 def usage_problem(parser: argparse.ArgumentParser,

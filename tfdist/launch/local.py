@@ -92,6 +92,14 @@ _FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
 _START_ERRORS = {errno.EMFILE: "num_workers", errno.ENFILE: "num_workers",
                  errno.EAGAIN: "num_workers", errno.ENOMEM: "num_workers"}
 _PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
+#: TensorFlow's start-up lines that TF_CPP_MIN_LOG_LEVEL does not silence
+#: (written before its logging starts): no GPU driver on a CPU machine.
+_NOISE = re.compile(
+    r"All log messages before absl::InitializeLog\(\) is called are written "
+    r"to STDERR|cudart_stub\.cc:\d+\] Could not find cuda drivers"
+    r"|cuda_platform\.cc:\d+\] failed call to cuInit")
+#: A terminal control sequence (colour, erase): kept for terminals only.
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -451,6 +459,10 @@ class Launcher:
     self._lock = threading.Lock()
     self._tasks: list[_Task] = []
     self._signal: int | None = None
+    self._tty = hasattr(self._out, "isatty") and self._out.isatty()
+    self._quiet = False  # Set by _start_all: drop TensorFlow's start-up noise.
+    self._partial: dict[str, str] = {}  # Role -> its redrawn line's state.
+    self._drawing: str | None = None  # The role whose bar the cursor is on.
 
   def run(self) -> int:
     preflight(self._spec)
@@ -631,7 +643,10 @@ class Launcher:
     env.update(self._spec.env)
     env[_net.JOB_SECRET_VARIABLE] = (job_secret(self._spec)
                                      or secrets.token_hex(32))
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ chatter.
+    # TensorFlow's C++ chatter, unless the user asked for a level: level 2,
+    # and the start-up lines that ignore it dropped from the console.
+    self._quiet = "TF_CPP_MIN_LOG_LEVEL" not in env
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.update(TFDIST_RESTART=str(attempt), PYTHONUNBUFFERED="1")
     configs = configs or self._spec.tf_configs()
     gpus = gpu_plan(self._spec, [c["task"]["type"] for c in configs], env)
@@ -678,8 +693,8 @@ class Launcher:
   def _pump(self, role, stream, tail, log) -> None:
     """Copies a task's output with its role before each line.
 
-    A carriage return (a progress bar redrawing its line) is passed on at
-    once with the prefix, so bars stay live.
+    A carriage return ends a redrawn line (a progress bar); its text is kept
+    and, on a terminal, drawn at once over the role's previous state.
     """
     pending = b""
     try:
@@ -701,16 +716,44 @@ class Launcher:
         log.close()
 
   def _emit(self, role, text, newline, tail, log) -> None:
-    if newline:
-      tail.append(text)
-      if log:
-        log.write(text + "\n")
-        log.flush()
+    """One line (``newline``) or one state of a redrawn line of ``role``.
+
+    Each line carries one prefix. A redrawn line (Keras's progress bar
+    writes backspaces, then a carriage return, then the new state) is drawn
+    in place on a terminal, the line of another task first ended; elsewhere
+    (a pipe, a log file) only its last state is written, once, when the line
+    ends, so no control character reaches a log.
+    """
+    text = text.replace("\b", "")  # Keras erases with \b, then returns.
     with self._lock:
-      if newline:
-        self._out.write(f"[{role}] {text}\n")
-      elif text:
-        self._out.write(f"\r[{role}] {text}")
+      drawn = self._partial.get(role)
+      if not newline:
+        if text:
+          self._partial[role] = text
+          if self._tty:
+            if self._drawing not in (None, role):
+              self._out.write("\n")  # End the other task's bar.
+            self._out.write(f"\r[{role}] {text}\x1b[K")
+            self._drawing = role
+            self._out.flush()
+        return
+      self._partial.pop(role, None)
+      if not text and drawn is not None:
+        text = drawn  # The bar's last state is its final line.
+      plain = _ANSI.sub("", text)  # Keras colours its bar.
+      tail.append(plain)
+      if log:
+        log.write(plain + "\n")
+        log.flush()
+      if self._quiet and _NOISE.search(plain):
+        return  # Kept in the task's log file and its tail.
+      if not self._tty:
+        text = plain
+      if self._tty and self._drawing is not None:
+        self._out.write("\r" if self._drawing == role else "\n")
+      self._drawing = None
+      self._out.write(f"[{role}] {text}" + ("\x1b[K\n" if self._tty
+                                            else "\n"))
       self._out.flush()
 
   def _on_signal(self, signum, frame) -> None:
