@@ -1,6 +1,5 @@
 """A Model Garden-style script runs on tfdist with Model Garden's flags."""
 
-
 from absl.testing import absltest
 from absl.testing import parameterized
 import pytest
