@@ -1,6 +1,9 @@
 """`tfdist info` and the CLI's error contract, run as real processes."""
 
 import json
+import os
+import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -36,6 +39,15 @@ class InfoTest(parameterized.TestCase):
     self.assertEqual(report["source"], "local")
     self.assertEqual(report["strategy"], "default")
     self.assertIn("tensorflow", report["versions"])
+    self.assertEqual(report["versions"]["tfdist"], tfdist.__version__)
+    self.assertEqual(report["python"], platform.python_version())
+    system = report["system"]
+    self.assertEqual(set(system), {"os", "cpus", "cuda_build", "cudnn_build",
+                                   "gpus", "driver"})
+    self.assertEqual(system["os"], platform.platform())
+    self.assertEqual(system["cpus"], os.cpu_count())
+    if shutil.which("nvidia-smi") is None:  # No driver: nothing invented.
+      self.assertEqual((system["gpus"], system["driver"]), ([], None))
 
   def test_json_tf_config_two_workers(self):
     p0, p1 = cluster_utils.free_ports(2)
@@ -68,6 +80,9 @@ class InfoTest(parameterized.TestCase):
     r = _tfdist("info")
     self.assertEqual(r.returncode, 0, r.stderr)
     self.assertIn("strategy: default", r.stdout)
+    self.assertIn(f"system:   {platform.platform()}, {os.cpu_count()} CPUs",
+                  r.stdout)
+    self.assertIn("cuda:     built with CUDA ", r.stdout)
 
 
 class ErrorContractTest(parameterized.TestCase):

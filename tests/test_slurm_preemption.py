@@ -347,6 +347,34 @@ class SlurmPreemptionTest(parameterized.TestCase):
     self.assertNotIn("tfdist: requeueing", text)
     self.assert_nothing_left(job, directory)
 
+  def test_the_requeue_cap_ends_a_preempted_run_with_42(self):
+    directory = _tempdir(self)
+    script = os.path.join(directory, "capped.sbatch")
+    with open(script, "w") as f:
+      f.write(slurm_script.render(slurm_script.SbatchSpec(
+          job_name="tfdist-capped", nodes=1, tasks_per_node=1,
+          cpus_per_task=1, time="00:10:00", signal_seconds=60,
+          max_requeues=0, setup=("echo set-up ran",),
+          command=(sys.executable, _PAYLOAD, "--payload_mode=signal"))))
+    job = _Job(self, self.slurm, script, args=[],
+               env={"PYTHONPATH": _REPO, "PYTHONUNBUFFERED": "1"},
+               chdir=directory)
+    output_path = os.path.join(directory, f"tfdist-capped-{job.id}.out")
+    _wait(self, lambda: '"waiting": true' in _read(output_path), 60,
+          lambda: job.scontrol("show", "job", job.id))
+    job.signal_batch_shell()
+    _wait(self, lambda: not job.active(), 60,
+          lambda: job.scontrol("show", "job", job.id))
+    record = job.records()[0]
+    text = _read(output_path)
+    self.assertEqual((_field(record, "JobState"), _field(record, "Restarts"),
+                      _field(record, "ExitCode")), ("FAILED", "0", "42:0"),
+                     text)
+    self.assertIn("set-up ran", text)
+    self.assertIn("tfdist: not requeueing: 0 requeue(s) done (the cap)", text)
+    self.assertNotIn("tfdist: requeueing", text)
+    self.assert_nothing_left(job, directory)
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -122,6 +122,16 @@ class SbatchSpecTest(parameterized.TestCase):
       ("name_trailing_newline", {"job_name": "x\n"}, "job_name"),
       ("partition_trailing_newline", {"partition": "gpu\n"}, "partition"),
       ("command_with_nul", {"command": ("python", "t.py\0")}, "command"),
+      ("sbatch_option_without_dash", {"sbatch_options": ("account=x",)},
+       "sbatch_options"),
+      ("sbatch_option_injection", {"sbatch_options": ("--a=1\nrm -rf x",)},
+       "sbatch_options"),
+      ("sbatch_options_string", {"sbatch_options": "--account=x"},
+       "sbatch_options"),
+      ("setup_empty_line", {"setup": ("",)}, "setup"),
+      ("setup_two_lines", {"setup": ("module load a\nmodule load b",)},
+       "setup"),
+      ("max_requeues_negative", {"max_requeues": -1}, "max_requeues"),
   )
   def test_invalid(self, changes, field):
     with self.assertRaises(ConfigError) as e:
@@ -221,6 +231,20 @@ class SlurmCliTest(parameterized.TestCase):
     with open(path) as f, open(_template(preset)) as g:
       self.assertEqual(f.read(), g.read())
 
+  def test_extra_lines_cap_and_a_warning_for_srun_in_srun(self):
+    code, out, err = self.run_cli(
+        ["--sbatch-option=--account=abc", "--sbatch-option=--qos=low",
+         "--setup", "module load cuda", "--setup", "source venv/bin/activate",
+         "--max-requeues", "3", "--", "srun", "python", "t.py"])
+    self.assertEqual(code, 0, err)
+    self.assertIn("#SBATCH --signal=B:USR1@300\n#SBATCH --account=abc\n"
+                  "#SBATCH --qos=low\n", out)
+    self.assertIn("\nmodule load cuda\nsource venv/bin/activate\n", out)
+    self.assertLess(out.index("source venv/bin/activate"), out.index("srun "))
+    self.assertIn("${SLURM_RESTART_COUNT:-0} >= 3", out)
+    self.assertEqual(err.count("\n"), 1)
+    self.assertStartsWith(err, "tfdist: warning: the command runs srun")
+
   def test_preset_with_overrides(self):
     code, out, _ = self.run_cli(["--preset", "parameter_server", "--nodes",
                                  "3", "--roles", "chief=1,ps=2,worker=3",
@@ -304,6 +328,19 @@ class TemplatesOnRealSlurmTest(parameterized.TestCase):
       self.assertEqual(r["procid"], rank)
       self.assertEqual((r["task_type"], r["task_id"]), ("worker", rank))
       self.assertEqual(r["cluster"], {"worker": addresses})
+
+  @parameterized.named_parameters(
+      ("fits", dict(cpus_per_task=2, tasks_per_node=2), None),
+      ("too_many_cpus", dict(cpus_per_task=3, tasks_per_node=2),
+       "cpus_per_task"),
+      ("gpus_on_cpu_nodes", dict(gpus_per_node=1), "gpus_per_node"),
+  )
+  def test_requests_are_checked_against_the_partition(self, changes, field):
+    spec = launch.SbatchSpec(partition="debug", **changes)
+    problem = launch.sbatch.fits_problem(spec, environ=self.slurm.env)
+    self.assertEqual(problem and problem[0], field, problem)
+    if field:
+      self.assertIn("partition debug", problem[1])
 
   def test_single_node_gpus_without_gres(self):
     job_id, output = self.submit(

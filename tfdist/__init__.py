@@ -49,6 +49,8 @@ _EXPORTS: dict[str, str] = {
     "chief_aware": "tfdist.training.callbacks",
     "save_model": "tfdist.training.callbacks",
     "PreemptionWatcher": "tfdist.training.preemption",
+    # Launching from a notebook cell.
+    "notebook_launcher": "tfdist.launch.notebook",
     # Errors and the process contract.
     "TfdistError": "tfdist.errors",
     "ConfigError": "tfdist.errors",
@@ -57,6 +59,7 @@ _EXPORTS: dict[str, str] = {
     "PreemptedError": "tfdist.errors",
     "WorkerLostError": "tfdist.errors",
     "CheckpointError": "tfdist.errors",
+    "WorkerFailedError": "tfdist.errors",
     "PREEMPTED_EXIT_CODE": "tfdist.errors",
     "PREEMPTION_SIGNALS": "tfdist.errors",
 }

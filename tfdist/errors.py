@@ -13,8 +13,9 @@ from typing import Any, Mapping
 
 __all__ = ["TfdistError", "ConfigError", "TpuUnavailableError",
            "StartupTimeoutError", "PreemptedError", "WorkerLostError",
-           "CheckpointError", "PREEMPTED_EXIT_CODE", "PREEMPTION_SIGNALS",
-           "INTERRUPTED_EXIT_CODE", "STOP_SIGNALS", "exit_code_for"]
+           "CheckpointError", "WorkerFailedError", "PREEMPTED_EXIT_CODE",
+           "PREEMPTION_SIGNALS", "INTERRUPTED_EXIT_CODE", "STOP_SIGNALS",
+           "exit_code_for"]
 
 # The process contract: these signals in, this exit code out.
 
@@ -154,6 +155,26 @@ class WorkerLostError(TfdistError, RuntimeError):
   Raised in place of TensorFlow's ``UnavailableError``/``DeadlineExceededError``
   /``AbortedError`` so the message says what happened and what to do.
   """
+
+
+class WorkerFailedError(TfdistError, RuntimeError):
+  """A worker started by `tfdist.notebook_launcher` failed.
+
+  Attributes:
+    role: the worker, e.g. ``"worker:1"``.
+    code: its exit code (``128 + N`` when killed by signal N).
+    remote_traceback: the worker's own traceback, when it raised.
+  """
+
+  def __init__(self, role: str, code: int, remote_traceback: str = ""):
+    self.role, self.code, self.remote_traceback = role, code, remote_traceback
+    super().__init__(
+        f"{role} exited with code {code}"
+        + (f"; its traceback:\n{remote_traceback.rstrip()}"
+           if remote_traceback else ""))
+
+  def __reduce__(self):
+    return (WorkerFailedError, (self.role, self.code, self.remote_traceback))
 
 
 class CheckpointError(TfdistError, RuntimeError):

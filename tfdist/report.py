@@ -1,7 +1,9 @@
 """The report on where this process runs, which ``tfdist info`` prints.
 
-Versions, devices, the resolved cluster, the strategy ``auto`` would build
-and why, and pre-flight checks (this task's port is free; an sbatch
+What a bug report needs, like ``accelerate env``: the system (OS, CPUs,
+CUDA and cuDNN as TensorFlow was built, GPUs and their driver), versions,
+devices, the resolved cluster, the strategy ``auto`` would build and why, and
+pre-flight checks (this task's port is free; an sbatch
 allocation that is not an srun step). The cluster is resolved before
 TensorFlow loads, so a bad configuration fails fast.
 
@@ -12,7 +14,10 @@ Example:
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
+import shutil
+import subprocess
 from typing import Any, Mapping
 
 from tfdist import _net
@@ -35,7 +40,9 @@ def gather(*, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
   Returns:
     `ClusterInfo.to_dict` of the resolved cluster plus ``strategy``,
     ``strategy_reason``, ``is_chief``, ``address``, ``versions``,
-    ``devices``, ``python`` and ``checks`` (each ``name``, ``ok``,
+    ``devices``, ``python``, ``system`` (``os``, ``cpus``, ``cuda_build``,
+    ``cudnn_build``, ``gpus``: the names the driver lists, ``driver``: its
+    version or ``None``) and ``checks`` (each ``name``, ``ok``,
     ``detail``).
 
   Raises:
@@ -52,13 +59,21 @@ def gather(*, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
   report.update(
       strategy=name, strategy_reason=why, is_chief=info.is_chief,
       address=info.address, versions=_versions(), devices=devices,
-      python=platform.python_version(), checks=_checks(info, environ))
+      python=platform.python_version(), system=_system(),
+      checks=_checks(info, environ))
   return report
 
 
 def format_report(report: Mapping[str, Any]) -> str:
   """The human-readable form of `gather`'s report."""
-  lines = ["versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+  system = report["system"]
+  lines = [f"system:   {system['os']}, {system['cpus']} CPUs, Python "
+           f"{report['python']}",
+           f"cuda:     built with CUDA {system['cuda_build'] or 'none'}, cuDNN "
+           f"{system['cudnn_build'] or 'none'}; GPUs: "
+           f"{', '.join(system['gpus']) or 'none'}; driver "
+           f"{system['driver'] or 'none'}",
+           "versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
            "devices:  " + (", ".join(f"{n} {k}" for k, n in report["devices"].items()) or "none"),
            f"cluster:  {report['origin']} (source={report['source']})"]
   for job, addrs in report["cluster"].items():
@@ -80,13 +95,42 @@ def format_report(report: Mapping[str, Any]) -> str:
 
 
 def _versions() -> dict[str, str]:
-  out = {}
-  for name in _PACKAGES:
+  from tfdist import __version__  # pylint: disable=g-import-not-at-top
+  out = {"tfdist": __version__}  # This copy's, even if installed metadata lags.
+  for name in _PACKAGES[1:]:
     try:
       out[name] = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
       out[name] = "not installed"
   return out
+
+
+def _system() -> dict[str, Any]:
+  """The machine: OS, CPUs, TensorFlow's CUDA build, GPUs and driver."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  build = tf.sysconfig.get_build_info()
+  gpus, driver = _nvidia()
+  return {"os": platform.platform(), "cpus": os.cpu_count(),
+          "cuda_build": build.get("cuda_version"),
+          "cudnn_build": build.get("cudnn_version"),
+          "gpus": gpus, "driver": driver}
+
+
+def _nvidia() -> tuple[list[str], str | None]:
+  """The GPUs ``nvidia-smi`` lists and the driver version (bounded, 10 s);
+  ``([], None)`` without an NVIDIA driver."""
+  if shutil.which("nvidia-smi") is None:
+    return [], None
+  try:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version",
+         "--format=csv,noheader"], capture_output=True, text=True,
+        timeout=10, check=False)
+  except (OSError, subprocess.TimeoutExpired):
+    return [], None
+  rows = [[part.strip() for part in line.split(",")]
+          for line in out.stdout.splitlines() if "," in line]
+  return [r[0] for r in rows], (rows[0][1] if rows else None)
 
 
 def _checks(info: ClusterInfo, environ) -> list[dict[str, Any]]:

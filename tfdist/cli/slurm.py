@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from tfdist.cli import _args
 from tfdist.errors import ConfigError
@@ -33,6 +34,16 @@ _FLAGS: _args.FlagTable = {
         type=int, help="send USR1 this long before the time limit")),
     "requeue": ("--requeue", dict(action=argparse.BooleanOptionalAction,
                                   help="requeue after USR1 (default on)")),
+    "max_requeues": ("--max-requeues", dict(
+        type=int, metavar="K", help="requeue at most K times")),
+    "sbatch_options": ("--sbatch-option", dict(
+        action="append", metavar="OPTION",
+        help="one more #SBATCH line, e.g. --sbatch-option=--account=abc "
+             "(repeatable)")),
+    "setup": ("--setup", dict(
+        action="append", metavar="LINE",
+        help="a shell line run before srun, e.g. --setup 'module load cuda'"
+             " (repeatable, in order)")),
 }
 
 
@@ -68,7 +79,18 @@ def run(args: argparse.Namespace) -> int:
     ConfigError: the arguments make an invalid spec, or FILE cannot be
       written.
   """
-  text = sbatch.render(build_spec(args))
+  spec = build_spec(args)
+  fit = sbatch.fits_problem(spec)
+  if fit:
+    field, why = fit
+    raise ConfigError(field=_args.spellings(_FLAGS)[field],
+                      value=getattr(spec, field), source=_SOURCE,
+                      expected="a request that fits a node of the partition",
+                      hint=why)
+  warning = sbatch.srun_problem(spec)
+  if warning:
+    print(f"tfdist: warning: {warning}", file=sys.stderr)
+  text = sbatch.render(spec)
   if args.output is None:
     print(text, end="")
     return 0

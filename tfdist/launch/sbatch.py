@@ -46,6 +46,8 @@ from __future__ import annotations
 import dataclasses
 import re
 import shlex
+import shutil
+import subprocess
 from typing import Mapping
 
 from tfdist import _net
@@ -59,6 +61,8 @@ __all__ = [
     "render",
     "parse_time",
     "template_name",
+    "srun_problem",
+    "fits_problem",
 ]
 
 _SOURCE = "SbatchSpec"
@@ -125,6 +129,13 @@ class SbatchSpec:
       ``False`` writes ``--no-requeue`` and only forwards the signal.
     command: the program each task runs, e.g. ``("python", "train.py")``.
     description: comment lines at the top of the script.
+    sbatch_options: more ``#SBATCH`` lines, each one option such as
+      ``"--account=abc"``, written after tfdist's own (so they win).
+    setup: shell lines run before ``srun``, in order, e.g.
+      ``("module load cuda", "source ~/venv/bin/activate")``.
+    max_requeues: requeue at most this many times (``SLURM_RESTART_COUNT``
+      counts them); then a preempted run ends with exit code 42 instead.
+      ``None``: no cap.
   """
   job_name: str = "tfdist"
   nodes: int = 1
@@ -138,6 +149,9 @@ class SbatchSpec:
   requeue: bool = True
   command: tuple[str, ...] = ("python", "train.py")
   description: str = ""
+  sbatch_options: tuple[str, ...] = ()
+  setup: tuple[str, ...] = ()
+  max_requeues: int | None = None
 
   def __post_init__(self):
     for field in ("job_name", "partition"):
@@ -174,6 +188,13 @@ class SbatchSpec:
                         expected="a non-empty list of words without NUL "
                                  "bytes, e.g. ['python', 'train.py']")
     object.__setattr__(self, "command", tuple(command))
+    object.__setattr__(self, "sbatch_options", _lines(
+        "sbatch_options", self.sbatch_options,
+        "sbatch options such as '--account=abc', one per line", dash=True))
+    object.__setattr__(self, "setup", _lines(
+        "setup", self.setup, "shell lines such as 'module load cuda'"))
+    if self.max_requeues is not None:
+      _count("max_requeues", self.max_requeues, 0, _MAX_PER_NODE)
     if not isinstance(self.description, str) or "\0" in self.description:
       raise ConfigError(field="description", value=self.description,
                         source=_SOURCE, expected="a string")
@@ -192,6 +213,23 @@ class SbatchSpec:
   def num_tasks(self) -> int:
     """Tasks in the srun step: ``nodes * tasks_per_node``."""
     return self.nodes * self.tasks_per_node
+
+
+def _lines(field: str, value: object, expected: str, *,
+           dash: bool = False) -> tuple[str, ...]:
+  """``value`` as a tuple of single lines, or a ConfigError naming ``field``."""
+  if isinstance(value, str) or not isinstance(value, (tuple, list)):
+    raise ConfigError(field=field, value=value, source=_SOURCE,
+                      expected=f"a list of {expected}")
+  for line in value:
+    if (not isinstance(line, str) or not line.strip()
+        or any(c in line for c in "\n\r\0")
+        or (dash and not line.startswith("-"))):
+      raise ConfigError(
+          field=field, value=line, source=_SOURCE,
+          expected=f"{expected}: one non-empty line"
+                   + (" starting with '-'" if dash else ""))
+  return tuple(value)
 
 
 def _count(field: str, value: object, minimum: int, maximum: int) -> None:
@@ -237,13 +275,13 @@ PRESETS: Mapping[str, SbatchSpec] = {
             "must add up to nodes * ntasks-per-node.")),
     "cpu_only": SbatchSpec(
         job_name="tfdist-cpu",
-        nodes=2, tasks_per_node=1, gpus_per_node=0, cpus_per_task=16,
+        nodes=2, tasks_per_node=1, gpus_per_node=0, cpus_per_task=4,
         time="02:00:00",
         command=("python", "train.py", "--strategy=multi_worker_mirrored"),
         description=(
             "CPU only: MultiWorkerMirroredStrategy over several nodes' CPUs, "
-            "one task per node\nusing --cpus-per-task cores. Asks for no "
-            "GPUs.")),
+            "one task per node\nusing --cpus-per-task cores (raise it to "
+            "your nodes' core count). Asks for no GPUs.")),
 }
 
 
@@ -285,8 +323,10 @@ def render(spec: SbatchSpec) -> str:
       "# #SBATCH lines, e.g. `sbatch --nodes=4 --time=12:00:00 FILE`.",
       "# Written by `tfdist slurm` (tfdist.launch.sbatch.render); edit freely.",
   ]
-  lines += [f"#SBATCH {option}" for option in sbatch]
+  lines += [f"#SBATCH {option}" for option in (*sbatch, *spec.sbatch_options)]
   lines += ["", "set -uo pipefail", ""]
+  if spec.setup:
+    lines += ["# Set-up, before the tasks start.", *spec.setup, ""]
   lines += _command_lines(spec)
   lines += [""]
   lines += _secret_lines()
@@ -360,6 +400,74 @@ def _signal_lines(spec: SbatchSpec) -> list[str]:
   return lines
 
 
+def _cap_lines(spec: SbatchSpec) -> list[str]:
+  if spec.max_requeues is None or not spec.requeue:
+    return []
+  return [
+      f"# At most {spec.max_requeues} requeue(s): SLURM_RESTART_COUNT counts "
+      "them.",
+      f'if (( requeue && ${{SLURM_RESTART_COUNT:-0}} >= {spec.max_requeues} '
+      ")); then",
+      f'  echo "tfdist: not requeueing: {spec.max_requeues} requeue(s) done '
+      '(the cap)" >&2',
+      "  requeue=0",
+      "fi",
+  ]
+
+
+def srun_problem(spec: SbatchSpec) -> str | None:
+  """A warning when the command calls ``srun`` itself: the script already
+  runs it under ``srun``, and srun inside srun starts a step per task."""
+  words = [w.rsplit("/", 1)[-1] for w in spec.command]
+  if "srun" in words:
+    return ("the command runs srun, but the script already starts it with "
+            "srun: each task would start a step of its own. Give the "
+            "program itself, e.g. `-- python train.py`")
+  return None
+
+
+def fits_problem(spec: SbatchSpec, *, timeout: float = 10.0,
+                 environ: Mapping[str, str] | None = None
+                 ) -> tuple[str, str] | None:
+  """Why ``spec`` cannot fit a node of its partition, from ``sinfo``.
+
+  Asks ``sinfo -h -p PARTITION -o "%c %G"`` (CPUs and generic resources per
+  node; bounded by ``timeout``) and compares ``cpus_per_task *
+  tasks_per_node`` and ``gpus_per_node`` with the largest node's.
+
+  Returns:
+    ``(field, sentence)``, or ``None`` when it fits or cannot be checked (no
+    partition, no sinfo, no answer).
+  """
+  if spec.partition is None or shutil.which("sinfo") is None:
+    return None
+  try:
+    out = subprocess.run(
+        ["sinfo", "-h", "-p", spec.partition, "-o", "%c %G"],
+        capture_output=True, text=True, timeout=timeout, check=False,
+        env=None if environ is None else dict(environ))
+  except (OSError, subprocess.TimeoutExpired):
+    return None
+  rows = [line.split(None, 1) for line in out.stdout.splitlines()
+          if line.strip()]
+  if out.returncode != 0 or not rows:
+    return None
+  cpus = max(int(re.sub(r"\D", "", r[0]) or 0) for r in rows)
+  gpus = max(sum(int(n) for n in re.findall(r"gpu(?::[^:(,]+)?:(\d+)",
+                                            r[1] if len(r) > 1 else ""))
+             for r in rows)
+  want = spec.cpus_per_task * spec.tasks_per_node
+  if want > cpus:
+    return ("cpus_per_task",
+            f"cpus_per_task * tasks_per_node = {want}, but the nodes of "
+            f"partition {spec.partition} have at most {cpus} CPUs")
+  if spec.gpus_per_node > gpus:
+    return ("gpus_per_node",
+            f"gpus_per_node = {spec.gpus_per_node}, but the nodes of "
+            f"partition {spec.partition} have at most {gpus} GPUs")
+  return None
+
+
 def _run_lines(spec: SbatchSpec) -> list[str]:
   code = PREEMPTED_EXIT_CODE
   options = ["--kill-on-bad-exit=0"]
@@ -387,6 +495,7 @@ def _run_lines(spec: SbatchSpec) -> list[str]:
       "# once more for its exit status.",
       'while kill -0 "${srun_pid}" 2>/dev/null; do wait "${srun_pid}"; done',
       'wait "${srun_pid}"; status=$?',
+      *_cap_lines(spec),
       f"if (( requeue && status == {code} )); then",
       "  # In an array, SLURM_JOB_ID of one element is the array's id, which "
       "names every",
