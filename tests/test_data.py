@@ -455,7 +455,7 @@ class DigitsBuilderTest(parameterized.TestCase):
 
   def test_waits_for_the_build_lock_a_bounded_time(self):
     data_dir = _tempdir(self)
-    lock = os.path.join(data_dir, f".{data.DIGITS_NAME}.lock")
+    lock = os.path.join(data_dir, f".tfdist-{data.DIGITS_NAME}.lock")
     with open(lock, "a+", encoding="utf-8") as held:
       fcntl.flock(held, fcntl.LOCK_EX)  # Another builder, as far as it knows.
       with self.assertRaises(tfdist.ConfigError) as cm:
@@ -801,9 +801,9 @@ class MultiWorkerTest(absltest.TestCase):
       self.assertTrue(control, result.stderr[-3000:])
       self.assertNotIn("AUTO sharding policy", ours)
       self.assertIn("AUTO sharding policy", control)  # The capture works.
-    # Both processes prepared the dataset; exactly one built it.
-    self.assertEqual(sorted(r.stderr.count("tfdist: building tfdist_digits")
-                            for r in results), [0, 1])
+    # Both processes asked for the dataset; the chief (worker 0) built it.
+    self.assertEqual([r.stderr.count("tfdist: preparing tfdist_digits")
+                      for r in results], [1, 0])
     for report in reports:
       self.assertEqual(report["replicas"], 2)
       self.assertEqual(report["input_workers"], 2)

@@ -9,26 +9,20 @@ Each image is a seven-segment digit (28x28x1 ``uint8``) with a random shift,
 stroke brightness and thickness plus Gaussian noise, so a small CNN learns it
 to well above chance in an epoch or two, and no two examples are identical.
 
-Several processes on one machine (the workers of a local cluster) may call
-`prepare` on the same ``data_dir`` at once: an ``fcntl`` lock lets the first
-build and the others wait, with a bounded wait, and then reuse its files.
+The workers of a cluster may call `prepare` on the same ``data_dir`` at once:
+the chief builds, behind a lock, and the others wait for it, with a bound,
+then read its files (`tfdist.data.prepare`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import os
-import time
-from typing import Iterator
 
 from etils import epath
-from absl import logging
 import numpy as np
 import tensorflow_datasets as tfds
 
-from tfdist.errors import ConfigError
+from tfdist.data import prepare as prepare_lib
 
 __all__ = [
     "DIGITS_NAME",
@@ -137,70 +131,36 @@ def default_data_dir() -> str:
       "~/tensorflow_datasets")
 
 
-@contextlib.contextmanager
-def _file_lock(path: str, timeout_s: float) -> Iterator[None]:
-  """Holds an exclusive ``fcntl`` lock on ``path``, waiting at most timeout_s.
-
-  The kernel drops the lock when its holder exits, so a crashed builder never
-  leaves a stale lock behind.
-  """
-  with open(path, "a+", encoding="utf-8") as handle:
-    deadline = time.monotonic() + timeout_s
-    while True:
-      try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        break
-      except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EACCES):
-          raise
-        if time.monotonic() >= deadline:
-          raise ConfigError(
-              field="data_dir", value=os.path.dirname(path),
-              expected=(f"the build lock {path} released within "
-                        f"{timeout_s:g} s"),
-              source=f"{DIGITS_NAME} builder",
-              hint=("Another process is still building the dataset there; "
-                    "wait for it, raise lock_timeout_s, or use another "
-                    "data_dir")) from None
-        time.sleep(0.1)
-    try:
-      yield
-    finally:
-      fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def prepare(data_dir: str | os.PathLike[str] | None = None, *,
-            lock_timeout_s: float = 300.0) -> TfdistDigits:
+            lock_timeout_s: float = 300.0,
+            chief: bool | None = None) -> TfdistDigits:
   """Builds ``tfdist_digits`` into ``data_dir`` once; later calls reuse it.
 
-  Safe to call from several processes at once: they serialize on a lock file
-  in ``data_dir`` and all but the first find the dataset prepared.
+  Safe to call from every worker at once: the chief builds, behind a lock
+  file in ``data_dir``, and the others wait for it (`tfdist.data.prepare`).
 
   Args:
     data_dir: the TFDS data directory; `default_data_dir()` when omitted.
-    lock_timeout_s: the longest wait for another process's build.
+    lock_timeout_s: the longest wait, for the lock or for the chief.
+    chief: whether this process builds; the resolved cluster's chief by
+      default.
 
   Returns:
     The prepared builder.
 
   Raises:
-    ConfigError: another process held the build lock past ``lock_timeout_s``.
+    ConfigError: the wait outlived ``lock_timeout_s``, or the chief's build
+      failed.
 
   Example:
     >>> builder = prepare("/tmp/tfds")
     >>> ds = builder.as_dataset(split="train")
   """
   data_dir = os.fspath(data_dir) if data_dir else default_data_dir()
-  os.makedirs(data_dir, exist_ok=True)
-  builder = TfdistDigits(data_dir=data_dir)
-  if builder.is_prepared():
-    return builder
-  with _file_lock(os.path.join(data_dir, f".{DIGITS_NAME}.lock"),
-                  lock_timeout_s):
-    builder = TfdistDigits(data_dir=data_dir)  # Re-reads a finished build.
-    if not builder.is_prepared():
-      logging.info("tfdist: building %s into %s", DIGITS_NAME, data_dir)
-      builder.download_and_prepare(
+  return prepare_lib.prepared(
+      lambda: TfdistDigits(data_dir=data_dir),
+      lambda builder: builder.download_and_prepare(
           download_config=tfds.download.DownloadConfig(
-              num_shards=DIGITS_NUM_SHARDS, try_download_gcs=False))
-  return builder
+              num_shards=DIGITS_NUM_SHARDS, try_download_gcs=False)),
+      name=DIGITS_NAME, data_dir=data_dir, chief=chief,
+      timeout_s=lock_timeout_s)

@@ -26,6 +26,7 @@ import tensorflow_datasets as tfds
 from tfdist.data.feed import DatasetFn
 from tfdist.data.feed import make_dataset_fn
 from tfdist.data.feed import MapFn
+from tfdist.data import prepare as prepare_lib
 from tfdist.data import sharding
 from tfdist.data import synthetic
 from tfdist.errors import ConfigError
@@ -41,7 +42,8 @@ _SOURCE = "load_tfds"
 def tfds_builder(name: DatasetName, *,
                  data_dir: str | os.PathLike[str] | None = None,
                  download: bool = True,
-                 download_timeout_s: float | None = 600.0
+                 download_timeout_s: float | None = 600.0,
+                 wait_timeout_s: float = prepare_lib.WAIT_TIMEOUT_SECONDS
                  ) -> tfds.core.DatasetBuilder:
   """A prepared TFDS builder for ``name``: found, built or downloaded.
 
@@ -57,6 +59,9 @@ def tfds_builder(name: DatasetName, *,
     download_timeout_s: the longest wait for that; ``None`` waits as long as
       it takes. A download still running then is abandoned in the
       background.
+    wait_timeout_s: in a cluster only the chief prepares (behind a lock in
+      the data directory); the other workers wait for it this long, then
+      read (`tfdist.data.prepare`).
 
   Returns:
     The builder, prepared.
@@ -67,14 +72,17 @@ def tfds_builder(name: DatasetName, *,
       download). The message names the dataset and the directory.
   """
   if name in (synthetic.DIGITS_NAME, synthetic.TfdistDigits):
-    return synthetic.prepare(data_dir)
+    return synthetic.prepare(data_dir, lock_timeout_s=wait_timeout_s)
   data_dir = os.fspath(data_dir) if data_dir else None
   if isinstance(name, type) and issubclass(name, tfds.core.DatasetBuilder):
-    builder = name(data_dir=data_dir)
+    builder_class = name
+    builder = builder_class(data_dir=data_dir)
     name = builder.name
+    make = lambda: builder_class(data_dir=data_dir)
   elif isinstance(name, str):
     try:
       builder = tfds.builder(name, data_dir=data_dir)
+      make = lambda: tfds.builder(name, data_dir=data_dir)
     except tfds.core.DatasetNotFoundError as e:
       raise ConfigError(
           field="dataset", value=name, source=_SOURCE,
@@ -95,8 +103,13 @@ def tfds_builder(name: DatasetName, *,
         expected=f"a dataset prepared under {where}",
         hint=(f"Pass download=True, copy a prepared {name} there, or use "
               f"{synthetic.DIGITS_NAME!r}, which builds offline"))
-  _download_and_prepare(builder, name, where, download_timeout_s)
-  return builder
+  root = data_dir or getattr(builder, "_data_dir_root", None) or (
+      synthetic.default_data_dir())
+  return prepare_lib.prepared(
+      make, lambda b: _download_and_prepare(b, name, where,
+                                            download_timeout_s),
+      name=name.replace("/", "_").replace(":", "_"), data_dir=os.fspath(root),
+      timeout_s=wait_timeout_s)
 
 
 def _download_and_prepare(builder: tfds.core.DatasetBuilder, name: str,
