@@ -1,10 +1,10 @@
 """One worker of a MultiWorkerMirroredStrategy cluster reading tfdist_digits.
 
-Usage: data_workers.py DATA_DIR. Every worker builds the dataset into DATA_DIR
-if nobody has (all start at once, so the build lock is exercised), reads its
-shard of the ``test`` split through `tfdist.data.distribute`, and prints one
-JSON line: its replicas and the fingerprints of the examples it saw. A build
-shows on stderr as ``tfdist: building tfdist_digits``.
+Usage: data_workers.py DATA_DIR. Every worker asks for the dataset in DATA_DIR
+at once: the chief builds it, the others wait for it (`tfdist.data.prepare`).
+Each reads its shard of the ``test`` split through `tfdist.data.distribute`
+and prints one JSON line: its replicas and the fingerprints of the examples it
+saw. A build shows on stderr as ``tfdist: preparing tfdist_digits``.
 
 Then, on stderr, a line ``--- control ---`` followed by what TensorFlow logs
 for a dataset distributed with its default AUTO shard policy, so the test can
