@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Sequence
 
 from tfdist.cli import bench
+from tfdist.cli import config_file
 from tfdist.cli import info
 from tfdist.cli import launch
 from tfdist.cli import slurm
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                    description="Distributed TensorFlow training made to work.")
   parser.add_argument("--version", action="version",
                       version=f"tfdist {_version()}")
+  parser.add_argument(
+      "--config", metavar="FILE",
+      help="defaults for the subcommand's flags from a TOML (or .json) file "
+           f"whose tables are subcommands; also ${config_file.VARIABLE}")
   sub = parser.add_subparsers(dest="command", metavar="COMMAND",
                               parser_class=_Parser)
   for name, (help_text, module) in _COMMANDS.items():
@@ -131,6 +136,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   """
   parser = build_parser()
   argv = sys.argv[1:] if argv is None else list(argv)
+  config, argv = config_file.split_config(argv)
+  if config and argv and argv[0] in parser.commands:  # type: ignore[attr-defined]
+    try:
+      argv = [argv[0], *config_file.config_arguments(config, argv[0], parser),
+              *argv[1:]]
+    except TfdistError as e:
+      print(f"tfdist: {e}", file=sys.stderr)
+      return EXIT_USAGE
   problem = usage_problem(parser, argv)
   if problem:
     print(f"tfdist: {problem}", file=sys.stderr)
