@@ -65,7 +65,7 @@ def resolve_names(info: ClusterInfo, *,
   node name does not resolve, every node is named by its ``NodeAddr`` (as
   SLURM itself reaches its nodes): from ``SLURM_NODE_ALIASES``
   (``name:addr:hostname,...``, set for cloud and dynamic nodes) when the job
-  has it, else from ``scontrol show node NAME`` (bounded by
+  has it, else from one ``scontrol show node`` (bounded by
   `SCONTROL_TIMEOUT_SECONDS`); every node, so that tasks that resolve only
   their own node's name still write one cluster. Anything else that does not
   resolve is refused.
@@ -94,8 +94,10 @@ def resolve_names(info: ClusterInfo, *,
     # Every node by its NodeAddr, so that every task (each of which may
     # resolve only its own name) writes the same cluster.
     aliases = _node_aliases(environ.get("SLURM_NODE_ALIASES", ""))
+    if any(host not in aliases for host in places):
+      aliases = {**_scontrol_node_addrs(environ), **aliases}
     for host in places:
-      node_addr = aliases.get(host) or _scontrol_node_addr(host, environ)
+      node_addr = aliases.get(host)
       if node_addr:
         resolve_host(node_addr, field=f"NodeAddr of node {host}",
                      source="SLURM (SLURM_NODE_ALIASES or scontrol)")
@@ -126,18 +128,26 @@ def _node_aliases(text: str) -> dict[str, str]:
   return aliases
 
 
-def _scontrol_node_addr(node: str, environ: Mapping[str, str]) -> str | None:
-  """The ``NodeAddr`` ``scontrol show node`` gives ``node``, or ``None``
-  (no scontrol, no controller, no such node, no answer in time)."""
+def _scontrol_node_addrs(environ: Mapping[str, str]) -> dict[str, str]:
+  """Node name -> ``NodeAddr`` of every node, from one ``scontrol show node``
+  call (bounded by `SCONTROL_TIMEOUT_SECONDS`); empty without scontrol, a
+  controller or an answer in time."""
   scontrol = shutil.which("scontrol", path=environ.get("PATH", os.defpath)
                           + os.pathsep + "/usr/sbin:/usr/bin")
   if scontrol is None:
-    return None
+    return {}
   try:
-    out = subprocess.run([scontrol, "show", "node", "-o", node],
+    out = subprocess.run([scontrol, "show", "node", "-o"],
                          env=dict(environ), capture_output=True, text=True,
                          timeout=SCONTROL_TIMEOUT_SECONDS, check=False)
   except (OSError, subprocess.TimeoutExpired):
-    return None
-  match = re.search(r"(?:^|\s)NodeAddr=(\S+)", out.stdout)
-  return match.group(1) if out.returncode == 0 and match else None
+    return {}
+  if out.returncode != 0:
+    return {}
+  nodes = {}
+  for line in out.stdout.splitlines():
+    name = re.search(r"(?:^|\s)NodeName=(\S+)", line)
+    addr = re.search(r"(?:^|\s)NodeAddr=(\S+)", line)
+    if name and addr:
+      nodes[name.group(1)] = addr.group(1)
+  return nodes

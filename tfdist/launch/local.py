@@ -322,7 +322,7 @@ def preflight(spec: LaunchSpec) -> None:
   if spec.nnodes > 1:
     job_secret(spec)
   gpu_plan(spec, [kind for kind, n in spec.jobs.items() for _ in range(n)]
-           + ["evaluator"] * spec.evaluator)
+           + ["evaluator"] * spec.evaluator, {**os.environ, **spec.env})
 
 
 def job_secret(spec: LaunchSpec) -> str | None:

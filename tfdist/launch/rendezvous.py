@@ -409,6 +409,8 @@ class Master:
   def _heartbeats(self) -> None:
     while True:
       time.sleep(HEARTBEAT_SECONDS)
+      if self._listener.fileno() < 0:
+        return  # Closed.
       with self._lock:
         members = dict(self._members)
         waiting = (len(self._joins) < self._nnodes and not self._over
