@@ -20,8 +20,8 @@ from tfdist._compat import keras as keras_compat
 import cluster_utils
 
 ALL_FIXES = ("atomic_assign_add", "jit_compile_multi_replica",
-             "multi_worker_scalar_mean", "steps_per_execution",
-             "symbolic_build_reduce")
+             "lazy_optimizer_build", "multi_worker_scalar_mean",
+             "steps_per_execution", "symbolic_build_reduce")
 DEVICES = ["/cpu:0", "/cpu:1"]
 
 
@@ -171,6 +171,68 @@ class MirroredFitTest(parameterized.TestCase):
       upstream = weights()
     for a, b in zip(patched, upstream):
       np.testing.assert_array_equal(a, b)
+
+
+def _tutorial_loop(strategy, *, steps: int = 4) -> list:
+  """tensorflow.org's custom-training-loop tutorial shape: model (no
+  keras.Input) and optimizer made in the scope, both built lazily inside
+  `strategy.run`; returns the trained weights."""
+  with strategy.scope():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(3)])
+    optimizer = keras.optimizers.Adam(0.01)
+    loss_object = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="none")
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(16 * steps, 5)).astype("float32")
+  y = rng.integers(0, 3, size=(16 * steps,))
+  dataset = strategy.experimental_distribute_dataset(
+      tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
+
+  def train_step(inputs):
+    features, labels = inputs
+    with tf.GradientTape() as tape:
+      predictions = model(features, training=True)
+      loss = tf.nn.compute_average_loss(loss_object(labels, predictions),
+                                        global_batch_size=16)
+    gradients = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+    return loss
+
+  @tf.function
+  def distributed_train_step(inputs):
+    losses = strategy.run(train_step, args=(inputs,))
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+  for batch in dataset:
+    distributed_train_step(batch)
+  assert int(optimizer.iterations.numpy()) == steps
+  return model.get_weights()
+
+
+@pytest.mark.timeout(120)
+class LazyBuildTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    keras_compat.apply()
+
+  def test_tutorial_loop_on_two_replicas_matches_one_device(self):
+    mirrored = _tutorial_loop(tfdist.make_strategy("mirrored",
+                                                   devices=DEVICES))
+    single = _tutorial_loop(tf.distribute.get_strategy())
+    for a, b in zip(single, mirrored):
+      np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+  def test_upstream_still_fails_on_two_replicas(self):
+    with _upstream_keras():
+      try:
+        _tutorial_loop(tf.distribute.MirroredStrategy(DEVICES))
+      except tf.errors.InvalidArgumentError as e:
+        self.assertIn("You must feed a value for placeholder tensor", str(e))
+      else:
+        self.fail(_upstream_fixed("lazy_optimizer_build"))
 
 
 @pytest.mark.timeout(120)

@@ -13,6 +13,7 @@ strategy, or with a strategy that already works, runs Keras's own code.
 | ``steps_per_execution``       | ``TensorFlowTrainer._make_function``          | Mirrored, spe > 1     |
 | ``jit_compile_multi_replica`` | ``TensorFlowTrainer._make_function``          | (MultiWorker)Mirrored, ``jit_compile=True`` |
 | ``atomic_assign_add``         | ``Variable.assign_add`` / ``assign_sub``      | ParameterServer: lost increments |
+| ``lazy_optimizer_build``      | ``BaseOptimizer.apply``                       | custom loops: optimizer built inside ``strategy.run`` on several replicas |
 
 The corrections are applied only to the Keras versions they were verified on
 (`TESTED_RANGE`) and never to a version at or past a fix's ``fixed_in``.
@@ -83,6 +84,9 @@ FIXES: tuple[Fix, ...] = (
     Fix("atomic_assign_add",
         "keras.src.backend.common.variables:Variable.assign_add",
         "keras-team/keras#18668"),
+    Fix("lazy_optimizer_build",
+        "keras.src.optimizers.base_optimizer:BaseOptimizer.apply",
+        "keras-team/keras#19308"),
 )
 
 _MARK = "__tfdist_keras_compat__"
@@ -398,6 +402,70 @@ def _atomic_assign(original, method: str):
   return functools.wraps(original)(wrapper)
 
 
+# --- lazy_optimizer_build -----------------------------------------------------
+# The custom-training-loop tutorial builds the optimizer on its first
+# `apply_gradients`, inside `strategy.run`. Keras 3 then creates the slot
+# variables in the replica context, inside a `tf.cond` of its own, and with 2+
+# replicas TensorFlow fails with "You must feed a value for placeholder tensor
+# 'cond/else/.../Placeholder'". Building in the cross-replica context (one
+# `merge_call`, as tf_keras's optimizer did) and out of the traced function
+# (`init_scope`) before Keras's own code runs creates them eagerly as
+# mirrored variables, once. A model without `keras.Input` built on its first
+# call inside `strategy.run` fails the same way: its layers are built so too.
+def _lazy_apply(original):
+  def wrapper(self, grads, trainable_variables=None):
+    context = (None if self.built or trainable_variables is None
+               else _in_replicas())
+    if context is not None:
+      import tensorflow as tf  # pylint: disable=g-import-not-at-top
+      variables = list(trainable_variables)
+
+      def build(strategy):
+        del strategy
+        with tf.init_scope():  # Created eagerly, not in the traced step.
+          if not self.built:
+            self.build(variables)
+      context.merge_call(build)
+      trainable_variables = variables
+    return original(self, grads, trainable_variables)
+  return functools.wraps(original)(wrapper)
+
+
+def _in_replicas() -> Any:
+  """The replica context of a step on 2+ replicas, else ``None``."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  context = tf.distribute.get_replica_context()
+  if (tf.distribute.has_strategy() and context is not None
+      and context.num_replicas_in_sync > 1):
+    return context
+  return None
+
+
+def _lazy_layer_build(original):
+  def wrapper(self, call_spec):
+    context = None if self.built else _in_replicas()
+    if context is None:
+      return original(self, call_spec)
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    def build(strategy):
+      del strategy
+      with tf.init_scope():  # The layer's variables, eagerly, mirrored.
+        original(self, call_spec)
+    context.merge_call(build)
+  return functools.wraps(original)(wrapper)
+
+
+def _layer_class():
+  from keras.src.layers import layer  # pylint: disable=g-import-not-at-top
+  return layer.Layer
+
+
+def _optimizer_class():
+  from keras.src.optimizers import base_optimizer  # pylint: disable=g-import-not-at-top
+  return base_optimizer.BaseOptimizer
+
+
 # name -> the (owner, attribute, wrapper maker) triples the fix installs.
 _INSTALLS: dict[str, Callable[[], list[tuple[Any, str, Callable]]]] = {
     "symbolic_build_reduce": lambda: [
@@ -413,4 +481,7 @@ _INSTALLS: dict[str, Callable[[], list[tuple[Any, str, Callable]]]] = {
         (_variable_class(), method,
          functools.partial(_atomic_assign, method=method))
         for method in ("assign_add", "assign_sub")],
+    "lazy_optimizer_build": lambda: [
+        (_optimizer_class(), "apply", _lazy_apply),
+        (_layer_class(), "_maybe_build", _lazy_layer_build)],
 }
