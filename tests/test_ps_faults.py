@@ -217,6 +217,11 @@ class ServersEndTest(absltest.TestCase):
       chief, worker, ps = range(3)
       with _cluster(configs, [os.path.join(d, "b")]) as c:
         c.wait_for(chief, lambda l: _scheduled(l) >= 1, 100)
+        # Scheduling is asynchronous: only a step the worker ran shows that
+        # its server was up, and watching, while the chief was alive.
+        self.assertTrue(cluster_utils.wait_until(
+            lambda: TRAIN_STEP in c.stderr(worker), 100),
+                        tail(c.stderr(worker)))
         killed = time.monotonic()
         c.kill(chief)
         codes = [c.wait(i, 30) for i in (worker, ps)]
