@@ -79,7 +79,9 @@ class KillAnyMomentTest(absltest.TestCase):
     and no step is applied twice."""
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as d:
-      args = ["default", "fit", os.path.join(d, "b"), "--sleep", "0.02"]
+      # 0.1 s a step: a kill within 0.4 s of a run's first step lands at
+      # most ~5 steps in, so three runs never reach the 18th (the last).
+      args = ["default", "fit", os.path.join(d, "b"), "--sleep", "0.1"]
       reached = []
       for _ in range(3):
         with cluster_utils.Tasks.of_script(JOB, args=args) as tasks:

@@ -37,7 +37,7 @@ import statistics
 import time
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "train_variants"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
   import tfdist  # pylint: disable=g-import-not-at-top
   strategy = tfdist.make_strategy("multi_worker_mirrored")
   out: dict[str, Any] = {"workers": strategy.num_replicas_in_sync}
-  out["train"] = _train(strategy, spec, cores)
+  out["train"] = train_variants(strategy, spec, cores)
   if spec.get("allreduce_mb") and strategy.num_replicas_in_sync > 1:
     from tfdist.bench import allreduce  # pylint: disable=g-import-not-at-top
     # Every method moves bytes between the workers, whose threads (gRPC's,
@@ -87,7 +87,7 @@ def _task_index() -> int:
              .get("task", {}).get("index", 0))
 
 
-def _train(strategy, spec: dict, cores: list[int]) -> dict:
+def train_variants(strategy, spec: dict, cores: list[int]) -> dict:
   """samples/s of every (model, variant), windows interleaved over rounds.
 
   Building and warming up use every core; the timed windows run on

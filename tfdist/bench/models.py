@@ -4,6 +4,8 @@
   gradient: the step is communication-bound across workers.
 * ``cnn``: three 3x3 convolutions on 32x32x3 images, about 57k parameters and
   ~30 MFLOP per sample: compute-bound.
+* ``wide_mlp``: 1024-4096-1024-10, 8,403,978 parameters: 33.6 MB of float32
+  gradients a step, for the bench across hosts, where the link is the limit.
 """
 
 from __future__ import annotations
@@ -55,10 +57,22 @@ def _cnn():
   ])
 
 
+def _wide_mlp():
+  import keras  # pylint: disable=g-import-not-at-top
+  return keras.Sequential([
+      keras.Input((1024,)),
+      keras.layers.Dense(4096, activation="relu"),
+      keras.layers.Dense(1024, activation="relu"),
+      keras.layers.Dense(10),
+  ])
+
+
 MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec(name="mlp", input_shape=(784,), classes=10, build=_mlp),
     "cnn": ModelSpec(name="cnn", input_shape=(32, 32, 3), classes=10,
                      build=_cnn),
+    "wide_mlp": ModelSpec(name="wide_mlp", input_shape=(1024,), classes=10,
+                          build=_wide_mlp),
 }
 
 

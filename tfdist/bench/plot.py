@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["write_plot"]
+__all__ = ["write_plot", "METHOD_LABELS"]
 
 
 _LINES = {"raw": "--", "tfdist": "-", "alone": ":"}
 _VARIANTS = {"raw": "raw MultiWorkerMirrored", "tfdist": "tfdist",
              "alone": "alone (nothing exchanged: ceiling)"}
-_METHODS = {
+#: How the plots name the all-reduce sweep's methods.
+METHOD_LABELS = {
     "none": "TF collectives, float32",
     "fp16": "TF collectives, fp16",
     "bf16": "TF collectives, bf16",
@@ -48,7 +49,7 @@ def write_plot(report: dict, path: str) -> None:
     sizes = sorted(per_size, key=float)
     right.plot([float(s) for s in sizes],
                [per_size[s]["algbw"] / 1e6 for s in sizes], marker="o",
-               label=_METHODS.get(name, name))
+               label=METHOD_LABELS.get(name, name))
   right.axhline(loopback / 1e6, color="black", linestyle=":",
                 label="one TCP stream, loopback")
   right.set(xlabel="tensor size (MiB, float32)",

@@ -24,7 +24,7 @@ from tfdist.bench import scaling as scaling_lib
 from tfdist.bench import startup as startup_lib
 from tfdist.errors import ConfigError
 
-__all__ = ["BenchConfig", "QUICK", "FULL", "run", "check_outputs"]
+__all__ = ["BenchConfig", "QUICK", "FULL", "run", "check_outputs", "machine"]
 
 _SOURCE = "tfdist.bench.run"
 
@@ -123,7 +123,8 @@ _MEASUREMENTS: dict[str, Callable[[BenchConfig, Results], dict]] = {
 }
 
 
-def _machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
+  """The versions and machine a report was measured with."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
   return {"cpus": os.cpu_count(), "python": platform.python_version(),
@@ -152,7 +153,7 @@ def run(config: BenchConfig, *, json_path: str | None = None,
       "pinned": config.pin_cores,
       "rule": "scaling worker i on core i % cores, 1 intra-op thread",
       "cores_by_workers": results["scaling"]["pinning"]["cores_by_workers"]}
-  report = report_lib.build(config=config_dict, machine=_machine(), **results)
+  report = report_lib.build(config=config_dict, machine=machine(), **results)
   report_lib.validate(report)
   if json_path:
     with open(json_path, "w") as f:

@@ -26,6 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   """Adds the flags of ``tfdist bench`` to ``parser``."""
   parser.add_argument("--quick", action="store_true",
                       help="the CI preset: checks the bench runs (minutes)")
+  parser.add_argument(
+      "--across-hosts", action="store_true",
+      help="run in every task of a cluster spanning hosts (tfdist launch "
+           "--nnodes, srun): all-reduce and training against the measured "
+           "link between them; the chief prints and writes the report")
   _args.add_flags(parser, _FLAGS)
 
 
@@ -41,9 +46,27 @@ def run(args: argparse.Namespace) -> int:
   from tfdist.bench import report  # pylint: disable=g-import-not-at-top
   from tfdist.bench import runner  # pylint: disable=g-import-not-at-top
   outputs = _args.given(args, _FLAGS)
+  if args.across_hosts:
+    return _across_hosts(args, outputs)
   with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS)):
     runner.check_outputs(**outputs)
   found = runner.run(runner.QUICK if args.quick else runner.FULL, **outputs,
                      log=lambda s: print(s, file=sys.stderr, flush=True))
   print(report.format_table(found))
+  return 0
+
+
+def _across_hosts(args: argparse.Namespace, outputs: dict) -> int:
+  from tfdist.bench import runner  # pylint: disable=g-import-not-at-top
+  import tfdist  # pylint: disable=g-import-not-at-top
+  from tfdist.bench import hosts  # pylint: disable=g-import-not-at-top
+  if tfdist.resolve_cluster().is_chief:  # Only the chief writes.
+    with _args.config_errors(source=_SOURCE,
+                             renamed=_args.spellings(_FLAGS)):
+      runner.check_outputs(**outputs)
+  found = hosts.run(hosts.HOSTS_QUICK if args.quick else hosts.HOSTS_FULL,
+                    **outputs,
+                    log=lambda s: print(s, file=sys.stderr, flush=True))
+  print(hosts.format_table(found) if found is not None else
+        "tfdist bench: done; the chief prints the report")
   return 0

@@ -61,8 +61,8 @@ from tfdist.errors import ConfigError
 from tfdist.perf import ring as ring_lib
 from tfdist.strategy import introspect
 
-__all__ = ["TRANSPORTS", "check_strategy", "ring_for", "socket_all_reduce",
-           "close_transports"]
+__all__ = ["TRANSPORTS", "check_strategy", "peers", "CoordinationRendezvous",
+           "ring_for", "socket_all_reduce", "close_transports"]
 
 #: Every transport name `GradientOptions` accepts.
 TRANSPORTS: tuple[str, ...] = ("collective", "socket")
@@ -82,7 +82,7 @@ _ring_count = 0
 _atexit_registered = False
 
 
-class _CoordinationRendezvous:
+class CoordinationRendezvous:
   """TensorFlow's coordination-service key-value store as a `Rendezvous`."""
 
   def publish(self, key: str, value: str) -> None:
@@ -134,7 +134,7 @@ def check_strategy(strategy) -> bool:
   return True
 
 
-def _peers(strategy) -> tuple[int, list[str], list[str]]:
+def peers(strategy) -> tuple[int, list[str], list[str]]:
   """This worker's rank, every worker's host and name, chief first."""
   task_type, task_id, spec = introspect.task_of(strategy)
   tasks = [(job, i, address) for job in ("chief", "worker")
@@ -193,14 +193,14 @@ def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
     entry = _rings.get(cache_key)
     if entry is not None and entry[0]() is strategy:
       return entry[1]
-    rank, hosts, names = _peers(strategy)
+    rank, hosts, names = peers(strategy)
     # Rings are numbered in the order the program makes them, the same on
     # every worker (the same program runs everywhere).
     key = f"{_KEY_PREFIX}/{_ring_count}"
     _ring_count += 1
     ring = ring_lib.SocketRing(
         rank=rank, hosts=hosts, names=names,
-        rendezvous=_CoordinationRendezvous(), key=key,
+        rendezvous=CoordinationRendezvous(), key=key,
         connect_timeout_s=connect_timeout_s, timeout_s=timeout_s,
         source=f"{_SOURCE}, cluster resolver", secret=secret, ports=ports,
         authenticate_values=authenticate_values)

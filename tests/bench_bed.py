@@ -1,0 +1,82 @@
+"""``tfdist bench --across-hosts`` on the network test bed, link rate by rate.
+
+Two hosts of a `netbed.NetBed` (network namespaces, their links shaped with
+``tc tbf``) each run ``tfdist launch --nnodes 2`` of ``python -m tfdist bench
+--across-hosts``, as two machines would. The test suite runs the quick preset
+at 1 and 10 Gbit/s (tests/test_bench_hosts.py); as a script it runs the full
+bench at the rates given and writes one report and one plot for all of them
+(needs root, as the bed does; minutes)::
+
+  sudo .venv/bin/python tests/bench_bed.py --rates 1gbit 10gbit \\
+      --json docs/bench_hosts.json --plot docs/bench_hosts.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from tfdist import _net
+from tfdist.bench import hosts as hosts_lib
+
+import cluster_utils
+import netbed
+
+HOSTS = ("node1", "node2")
+SECRET = "bench-bed-secret"
+
+
+def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float
+               ) -> tuple[dict | None, list[str], list[int]]:
+  """The chief's report, both launchers' output and their exit codes."""
+  json_path = os.path.join(workdir, f"hosts-{rate}.json")
+  with netbed.NetBed(hosts=HOSTS, rate=rate) as bed:
+    env = cluster_utils.base_env({_net.JOB_SECRET_VARIABLE: SECRET})
+    procs = [bed.popen(host, [
+        sys.executable, "-m", "tfdist", "launch", "--nnodes", "2",
+        "--node-rank", str(rank), "--master-addr", bed.address(HOSTS[0]),
+        "--master-port", "29400", "--", sys.executable, "-m", "tfdist",
+        "bench", "--across-hosts", *(["--quick"] if quick else []),
+        "--json", json_path], env=env, cwd=cluster_utils.REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank, host in enumerate(HOSTS)]
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+  report = None
+  if os.path.exists(json_path):
+    with open(json_path) as f:
+      report = json.load(f)
+  return report, outs, [p.returncode for p in procs]
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--json", required=True)
+  parser.add_argument("--plot")
+  parser.add_argument("--timeout", type=float, default=1200)
+  args = parser.parse_args()
+  reports = {}
+  with tempfile.TemporaryDirectory() as workdir:
+    for rate in args.rates:
+      report, outs, codes = run_on_bed(rate, quick=args.quick,
+                                       workdir=workdir, timeout=args.timeout)
+      if codes != [0, 0] or report is None:
+        print(f"bench_bed: {rate}: exit codes {codes}\n" + "\n".join(outs),
+              file=sys.stderr)
+        return 1
+      reports[rate] = report
+      print(f"== {rate}\n{hosts_lib.format_table(report)}", flush=True)
+  with open(args.json, "w") as f:
+    json.dump(reports, f, indent=1, sort_keys=True)
+  if args.plot:
+    hosts_lib.write_plot(reports, args.plot)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""The raw link between a cluster's hosts: plain TCP streams, both ways at once.
+
+What an all-reduce between hosts is measured against. Each worker opens one
+TCP connection to its right neighbour in the ring (the order of
+`tfdist.perf.transport`'s socket ring: chief first, then the workers) and
+accepts one from its left neighbour; all of them then send for ``seconds``
+while they receive, as a ring all-reduce does, with blocking ``sendall`` and
+``recv_into`` of large chunks: the most a plain stream moves, with no
+arithmetic and no framing. A worker's rate is the bytes it received over the
+time from its first chunk to its last; the link of the ring is the slowest
+worker's rate (a ring moves at its slowest hop). Worker counts share one
+rule with the all-reduce: with two workers the right and left neighbour are
+the same, so both directions of the one link are loaded at once.
+
+The addresses are exchanged through a `Rendezvous` (TensorFlow's
+coordination service under a strategy). Every connection starts with the
+key of the measurement and the sender's rank; anything else that connects is
+dropped, so a stray connection cannot pose as the neighbour's stream. What
+is sent is zeros: nothing of the job crosses.
+
+No TensorFlow here.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import struct
+import threading
+import time
+
+from tfdist import _net
+from tfdist.errors import StartupTimeoutError
+from tfdist.perf.ring.connection import Rendezvous
+
+__all__ = ["measure", "stream_rates"]
+
+_CHUNK = 4 << 20  # Bytes per sendall / recv_into.
+_HELLO = struct.Struct("!64sI")  # The measurement's key, the sender's rank.
+
+
+def measure(*, rank: int, hosts: list[str], rendezvous: Rendezvous, key: str,
+            seconds: float = 2.0, repeats: int = 3, timeout_s: float = 60.0
+            ) -> dict:
+  """Every worker's receive rate while all send to their right neighbour.
+
+  Called by every worker of the ring at once, with the same ``key``.
+
+  Args:
+    rank: this worker's place in the ring.
+    hosts: every worker's host (name or address), by rank.
+    rendezvous: where the workers publish their listening addresses and
+      their rates.
+    key: a key no other measurement of this job uses.
+    seconds: how long each stream sends.
+    repeats: streams timed; each worker reports the median.
+    timeout_s: bound on connecting and on any one socket operation.
+
+  Returns:
+    ``{"bytes_per_s": the slowest worker's rate, "by_rank": [rate, ...],
+    "seconds": seconds, "repeats": repeats}``.
+
+  Raises:
+    StartupTimeoutError: a neighbour did not connect within ``timeout_s``.
+  """
+  n = len(hosts)
+  right, left = (rank + 1) % n, (rank - 1) % n
+  with _listener(hosts[rank], timeout_s) as server:
+    rendezvous.publish(f"{key}/address/{rank}",
+                       f"{hosts[rank]}:{server.getsockname()[1]}")
+    try:
+      address = rendezvous.lookup(f"{key}/address/{right}", timeout_s)
+    except TimeoutError:
+      raise StartupTimeoutError(
+          f"link measurement: worker {right} ({hosts[right]}) did not "
+          f"publish its address within {timeout_s:g} s") from None
+    rates = stream_rates(server=server, right=_net.split_address(address),
+                         rank=rank, left=left, key=key, seconds=seconds,
+                         repeats=repeats, timeout_s=timeout_s)
+  mine = statistics.median(rates)
+  rendezvous.publish(f"{key}/rate/{rank}", repr(mine))
+  by_rank = [mine if r == rank else
+             float(rendezvous.lookup(f"{key}/rate/{r}", timeout_s))
+             for r in range(n)]
+  return {"bytes_per_s": min(by_rank), "by_rank": by_rank,
+          "seconds": seconds, "repeats": repeats}
+
+
+def stream_rates(*, server: socket.socket, right: tuple[str, int], rank: int,
+                 left: int, key: str, seconds: float, repeats: int,
+                 timeout_s: float) -> list[float]:
+  """``repeats`` receive rates (bytes/s) from ``left``, sending to ``right``.
+
+  Each repeat is a fresh pair of connections: this worker dials ``right``
+  (through ``right``'s listener) and accepts ``left``'s dial on ``server``.
+  """
+  rates = []
+  hello = _HELLO.pack(key.encode()[:64], rank)
+  for _ in range(repeats):
+    with socket.create_connection(right, timeout=timeout_s) as out:
+      out.sendall(hello)
+      with _accept_from(server, key, left, timeout_s) as inbound:
+        sent: list[BaseException] = []
+        sender = threading.Thread(target=_send_for,
+                                  args=(out, seconds, sent), daemon=True)
+        sender.start()
+        rates.append(_receive_rate(inbound))
+        sender.join(timeout_s)
+        if sent:
+          raise sent[0]
+  return rates
+
+
+def _listener(host: str, timeout_s: float) -> socket.socket:
+  family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+  server = socket.create_server(("", 0), family=family, backlog=8)
+  server.settimeout(timeout_s)
+  return server
+
+
+def _accept_from(server: socket.socket, key: str, left: int,
+                 timeout_s: float) -> socket.socket:
+  """The next connection whose hello names ``key`` and ``left``."""
+  expected = _HELLO.pack(key.encode()[:64], left)
+  deadline = time.monotonic() + timeout_s
+  while True:
+    server.settimeout(max(0.01, deadline - time.monotonic()))
+    try:
+      conn, _ = server.accept()
+    except TimeoutError:
+      raise StartupTimeoutError(
+          f"link measurement: worker {left} did not connect within "
+          f"{timeout_s:g} s") from None
+    conn.settimeout(max(0.01, deadline - time.monotonic()))
+    try:
+      got = _read_exactly(conn, _HELLO.size)
+    except OSError:
+      got = b""
+    if got == expected:
+      conn.settimeout(timeout_s)
+      return conn
+    conn.close()  # A stranger, or a stale dial: not the neighbour's stream.
+
+
+def _read_exactly(conn: socket.socket, size: int) -> bytes:
+  data = bytearray()
+  while len(data) < size:
+    part = conn.recv(size - len(data))
+    if not part:
+      break
+    data += part
+  return bytes(data)
+
+
+def _send_for(conn: socket.socket, seconds: float,
+              errors: list[BaseException]) -> None:
+  payload = memoryview(bytearray(_CHUNK))
+  try:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+      conn.sendall(payload)
+    conn.shutdown(socket.SHUT_WR)
+  except OSError as e:
+    errors.append(e)
+
+
+def _receive_rate(conn: socket.socket) -> float:
+  """Bytes/s from the first chunk's arrival to the last byte's."""
+  view = memoryview(bytearray(_CHUNK))
+  conn.recv_into(view)  # The clock starts once bytes flow.
+  start = time.perf_counter()
+  total, end = 0, start
+  while True:
+    k = conn.recv_into(view)
+    if not k:
+      break
+    total += k
+    end = time.perf_counter()
+  return total / (end - start) if end > start else 0.0
