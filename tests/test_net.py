@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import sys
+import threading
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -70,6 +71,37 @@ class PortProblemTest(parameterized.TestCase):
   def test_port_zero_asks_whether_the_host_is_this_machine(self):
     self.assertIsNone(_net.port_problem("127.0.0.1", 0))
     self.assertIsNotNone(_net.port_problem("198.18.0.254", 0))
+
+
+class GrpcAnswersTest(absltest.TestCase):
+  """The probe `tfdist.serve` uses to tell that the chief is gone."""
+
+  def test_a_listener_nobody_serves_does_not_answer(self):
+    # As a socket a dead process's child inherited: it accepts, never answers.
+    with socket.create_server(("127.0.0.1", 0)) as orphan:
+      address = f"127.0.0.1:{orphan.getsockname()[1]}"
+      self.assertTrue(_net.reachable(address))
+      self.assertFalse(_net.grpc_answers(address, timeout=0.5))
+
+  def test_a_free_port_does_not_answer(self):
+    port = _net.free_ports(1)[0]
+    self.assertFalse(_net.grpc_answers(f"127.0.0.1:{port}", timeout=0.5))
+
+  def test_an_http2_server_answers(self):
+    # The first bytes of an HTTP/2 server (what gRPC's are): a SETTINGS frame.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+      def answer():
+        conn, _ = server.accept()
+        with conn:
+          conn.recv(64)
+          conn.sendall(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+
+      replier = threading.Thread(target=answer, daemon=True)
+      replier.start()
+      self.assertTrue(_net.grpc_answers(
+          f"127.0.0.1:{server.getsockname()[1]}", timeout=5))
+      replier.join(5)
 
 
 class IsLocalTest(parameterized.TestCase):

@@ -352,10 +352,12 @@ class ExchangeTest(parameterized.TestCase):
     self.sockets.extend(pair)
     return pair
 
-  def test_a_ring_of_one_receives_what_it_sends_in_order(self):
+  @parameterized.named_parameters(("polled", exchange.THREADED_BYTES),
+                                  ("threaded", 0))
+  def test_a_ring_of_one_receives_what_it_sends_in_order(self, threaded):
     a, b = self._pair()
     link = exchange.Link(left=b, right=a, left_rank=0, right_rank=0,
-                         timeout_s=5)
+                         timeout_s=5, threaded_bytes=threaded)
     payloads = [np.arange(k, dtype=np.float32) for k in (1, 3, 100_000)]
     events = []
 
@@ -375,11 +377,13 @@ class ExchangeTest(parameterized.TestCase):
     self.assertLess(events.index("send 2"), events.index("got 0"))
     self.assertIn("got 2", events)
 
-  def test_closed_left_neighbour_is_lost_at_once(self):
+  @parameterized.named_parameters(("polled", exchange.THREADED_BYTES),
+                                  ("threaded", 0))
+  def test_closed_left_neighbour_is_lost_at_once(self, threaded):
     right, _ = self._pair()
     peer, left = self._pair()
     link = exchange.Link(left=left, right=right, left_rank=1, right_rank=2,
-                         timeout_s=60)
+                         timeout_s=60, threaded_bytes=threaded)
     peer.close()
     start = time.monotonic()
     with self.assertRaises(exchange.PeerLost) as caught:
@@ -388,11 +392,13 @@ class ExchangeTest(parameterized.TestCase):
     self.assertIn("closed the connection", caught.exception.what)
     self.assertLess(time.monotonic() - start, 5)
 
-  def test_silent_left_neighbour_times_out(self):
+  @parameterized.named_parameters(("polled", exchange.THREADED_BYTES),
+                                  ("threaded", 0))
+  def test_silent_left_neighbour_times_out(self, threaded):
     right, _ = self._pair()
     _, left = self._pair()
     link = exchange.Link(left=left, right=right, left_rank=1, right_rank=2,
-                         timeout_s=1)
+                         timeout_s=1, threaded_bytes=threaded)
     start = time.monotonic()
     with self.assertRaisesRegex(exchange.PeerLost, r"no data for 1 s"):
       link.exchange([], [(bytearray(4), None, -1)])
@@ -428,9 +434,10 @@ class SocketRingTest(parameterized.TestCase):
     self.rings = _make_rings(n, **kwargs)
     return self.rings
 
-  @parameterized.product(n=[2, 3], wire=["float32", "float16", "bfloat16"])
-  def test_sums_every_size_the_same_on_every_rank(self, n, wire):
-    rings = self._rings(n)
+  @parameterized.product(n=[2, 3], wire=["float32", "float16", "bfloat16"],
+                         threaded=[exchange.THREADED_BYTES, 0])
+  def test_sums_every_size_the_same_on_every_rank(self, n, wire, threaded):
+    rings = self._rings(n, threaded_bytes=threaded)
     results = _on_each(rings, lambda r, ring: [
         ring.all_reduce(_inputs(r, s), wire=wire) for s in SIZES])
     for i, size in enumerate(SIZES):
@@ -452,9 +459,10 @@ class SocketRingTest(parameterized.TestCase):
     for got in results:
       np.testing.assert_array_equal(got, expected)
 
-  @parameterized.product(n=[2, 3], wire=["float32", "float16", "bfloat16"])
-  def test_sums_in_place(self, n, wire):
-    rings = self._rings(n)
+  @parameterized.product(n=[2, 3], wire=["float32", "float16", "bfloat16"],
+                         threaded=[exchange.THREADED_BYTES, 0])
+  def test_sums_in_place(self, n, wire, threaded):
+    rings = self._rings(n, threaded_bytes=threaded)
 
     def fn(r, ring):
       separate = ring.all_reduce(_inputs(r, 20001), wire=wire)
@@ -519,8 +527,10 @@ class SocketRingTest(parameterized.TestCase):
       self.assertIn("all-reduce order", str(error))
       self.assertIn(f"worker:{1 - r}", str(error))
 
-  def test_closed_peer_is_named_at_once(self):
-    rings = self._rings(2, timeout_s=60)
+  @parameterized.named_parameters(("polled", exchange.THREADED_BYTES),
+                                  ("threaded", 0))
+  def test_closed_peer_is_named_at_once(self, threaded):
+    rings = self._rings(2, timeout_s=60, threaded_bytes=threaded)
 
     def fn(r, ring):
       ring.connect()
@@ -542,8 +552,10 @@ class SocketRingTest(parameterized.TestCase):
     with self.assertRaises(tfdist.WorkerLostError):  # Stays failed.
       rings[0].all_reduce(np.ones(3, np.float32))
 
-  def test_silent_peer_times_out(self):
-    rings = self._rings(2, timeout_s=1)
+  @parameterized.named_parameters(("polled", exchange.THREADED_BYTES),
+                                  ("threaded", 0))
+  def test_silent_peer_times_out(self, threaded):
+    rings = self._rings(2, timeout_s=1, threaded_bytes=threaded)
 
     def fn(r, ring):
       ring.connect()

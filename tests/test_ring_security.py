@@ -22,6 +22,7 @@ import tfdist
 from tfdist import perf
 from tfdist.perf.ring import auth
 from tfdist.perf.ring import connection
+from tfdist.perf.ring import exchange
 from tfdist.perf.ring import socket_ring
 from tfdist.perf.ring import wire as wire_lib
 from test_ring import LocalRendezvous
@@ -298,19 +299,24 @@ class TamperTest(parameterized.TestCase):
     return _sum_of_ranks(_rings(2, Tampering(), **kwargs), size=50_000)
 
   @parameterized.named_parameters(
-      ("header", 0, "all-reduce order"),
-      ("values", 1000, "failed its authentication"))
+      ("header", 0, "all-reduce order", exchange.THREADED_BYTES),
+      ("values", 1000, "failed its authentication", exchange.THREADED_BYTES),
+      ("values_threaded", 1000, "failed its authentication", 0))
   def test_altered_message_fails_the_call_and_is_never_returned(
-      self, offset, why):
+      self, offset, why, threaded):
     start = wire_lib.HELLO_SIZE + auth.MAC_SIZE  # After the dialer's hello.
-    results = self._tampered(start + offset, authenticate_values=True)
+    results = self._tampered(start + offset, authenticate_values=True,
+                             threaded_bytes=threaded)
     for got in results:  # No sum returned anywhere.
       self.assertIsInstance(got, tfdist.TfdistError, got)
     self.assertIn(why, str(results[0]))
     self.assertIn("worker:1", str(results[0]))
 
-  def test_untouched_relay_sums(self):
-    results = self._tampered(None, authenticate_values=True)
+  @parameterized.named_parameters(("polled", exchange.THREADED_BYTES),
+                                  ("threaded", 0))
+  def test_untouched_relay_sums(self, threaded):
+    results = self._tampered(None, authenticate_values=True,
+                             threaded_bytes=threaded)
     for got in results:
       np.testing.assert_array_equal(got, np.full(50_000, 3.0))
 

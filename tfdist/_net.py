@@ -14,10 +14,12 @@ import json
 import os
 import socket
 import threading
+import time
 from typing import Mapping
 
 __all__ = ["JOB_SECRET_VARIABLE", "job_secret", "free_ports", "port_problem",
-           "lookup", "LOOKUP_TIMEOUT_SECONDS", "reachable", "is_local",
+           "lookup", "LOOKUP_TIMEOUT_SECONDS", "reachable", "grpc_answers",
+           "is_local",
            "is_loopback", "split_address", "child_env", "cluster_tf_configs",
            "worker_tf_configs", "REPO_ROOT"]
 
@@ -164,6 +166,40 @@ def reachable(address: str, timeout: float = 1.0) -> bool:
   try:
     with socket.create_connection(split_address(address), timeout=timeout):
       return True
+  except (OSError, ValueError):
+    return False
+
+
+# HTTP/2's client preface and an empty SETTINGS frame: what a gRPC client
+# sends first. A gRPC server answers with its own SETTINGS frame at once.
+_H2_PREFACE = (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+               + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+_H2_SETTINGS = 4  # The frame type, byte 3 of a frame header.
+
+
+def grpc_answers(address: str, timeout: float = 1.0) -> bool:
+  """Whether a gRPC (HTTP/2) server answers at ``host:port`` within ``timeout``.
+
+  Stricter than `reachable`: a listening socket nobody serves (one a dead
+  process's child inherited) accepts connections but never answers, and a
+  probe of a free loopback port can connect to itself (TCP simultaneous
+  open), which echoes the probe's own bytes; neither counts.
+  """
+  deadline = time.monotonic() + timeout
+  try:
+    with socket.create_connection(split_address(address),
+                                  timeout=timeout) as conn:
+      if conn.getsockname() == conn.getpeername():
+        return False  # Connected to itself.
+      conn.sendall(_H2_PREFACE)
+      header = b""
+      while len(header) < 9:
+        conn.settimeout(max(0.01, deadline - time.monotonic()))
+        part = conn.recv(9 - len(header))
+        if not part:
+          return False
+        header += part
+      return header[3] == _H2_SETTINGS
   except (OSError, ValueError):
     return False
 

@@ -5,9 +5,10 @@ Usage: ps_fault_job.py DIR [--sleep S] [--epochs E] [--backup-every K]
 
 The same script runs on every task, as under ``tfdist launch``:
 
-* ps and worker tasks serve the chief through ``tfdist.make_strategy``
-  (``tfdist.serve(chief_timeout=T)`` with ``--chief-timeout``) and print
-  ``served`` once the chief has come and gone;
+* ps and worker tasks serve the chief through ``tfdist.make_strategy``,
+  which says ``served the chief`` on stderr once the chief has come and
+  gone (``tfdist.serve(chief_timeout=T)`` with ``--chief-timeout``, then
+  ``served`` on stdout);
 * the chief trains with ``tfdist.fit`` (E epochs of 6 steps, backup_dir=DIR,
   a backup every K steps). After scheduling each step it prints
   ``step K applied M``: K steps scheduled, counted over restarts (from the
@@ -47,15 +48,11 @@ task_type = json.loads(os.environ["TF_CONFIG"])["task"]["type"]
 if task_type != "chief" and args.chief_timeout is not None:
   tfdist.serve(chief_timeout=args.chief_timeout)
   print("served", flush=True)
-  sys.exit(0)
+  os._exit(0)  # As make_strategy ends a server: teardown can hang.
 print("building", flush=True)
-try:
-  # On ps and worker tasks this serves the chief and then exits with 0.
-  strategy = tfdist.make_strategy("parameter_server")
-except SystemExit as e:
-  if e.code in (0, None):
-    print("served", flush=True)
-  raise
+# On ps and worker tasks this serves the chief, then ends the process with 0
+# after "tfdist: ... served the chief until it ended" on stderr.
+strategy = tfdist.make_strategy("parameter_server")
 
 import keras  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top

@@ -10,7 +10,9 @@ float32 (``socket``), float16 (``socket_fp16``) or bfloat16
 (``socket_bf16``), both summing in float32. ``ring`` and ``ring_bf16`` time
 the same socket ring called directly on numpy buffers, outside TensorFlow:
 the transport alone, without the packing copy and the ``tf.function`` /
-``tf.numpy_function`` call. ``exchange`` moves the bytes a ring all-reduce
+``tf.numpy_function`` call; ``ring_polled`` is ``ring`` with every step
+moved by one polling thread (`tfdist.perf.ring.exchange`), as all steps
+were before large ones got a sending and a receiving thread. ``exchange`` moves the bytes a ring all-reduce
 of the tensor must move (``2 (n - 1) / n`` times its size, each way) over the
 same sockets with no arithmetic (`SocketRing.send_receive`): the ceiling of
 any all-reduce of float32 on this machine. `loopback_bytes_per_s` times one plain TCP
@@ -52,6 +54,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "socket_bf16": ("socket", "bf16"),
     "ring": ("ring", "none"),
     "ring_bf16": ("ring", "bf16"),
+    "ring_polled": ("ring_polled", "none"),
     "exchange": ("exchange", "none"),
 }
 _WIRE = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -78,10 +81,11 @@ def _reduce_fn(strategy, method: str, sources, repeats: int):
   kind, compression = METHODS[method]
   codec = perf.get_compression(compression)
   options = perf.GradientOptions()
-  if kind in ("ring", "exchange"):
+  if kind in ("ring", "ring_polled", "exchange"):
     ring = transport.ring_for(
         strategy, connect_timeout_s=options.socket_connect_timeout_seconds,
-        timeout_s=options.socket_timeout_seconds)
+        timeout_s=options.socket_timeout_seconds,
+        threaded_bytes=1 << 62 if kind == "ring_polled" else None)
     with tf.init_scope():
       buffer = tf.concat([tf.identity(s) for s in sources], 0).numpy()
     if kind == "exchange":

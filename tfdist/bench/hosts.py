@@ -70,7 +70,7 @@ class HostsConfig:
   quick: bool = False
   sizes_mb: tuple[float, ...] = (4, 16, 64)
   methods: tuple[str, ...] = ("none", "bf16", "socket", "socket_bf16",
-                              "ring", "ring_bf16", "exchange")
+                              "ring", "ring_bf16", "ring_polled", "exchange")
   iterations: int = 5
   link_seconds: float = 2.0
   link_repeats: int = 3

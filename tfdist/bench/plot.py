@@ -18,6 +18,7 @@ METHOD_LABELS = {
     "socket_bf16": "tfdist socket, bf16",
     "ring": "ring alone, float32",
     "ring_bf16": "ring alone, bf16",
+    "ring_polled": "ring alone, float32, one polling thread",
     "exchange": "exchange, no arithmetic (ceiling)",
 }
 

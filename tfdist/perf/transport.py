@@ -164,7 +164,8 @@ def _host(address: str) -> str:
 
 def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
              secret: str | None = None, ports: str | None = None,
-             authenticate_values: bool = False
+             authenticate_values: bool = False,
+             threaded_bytes: int | None = None
              ) -> ring_lib.SocketRing | None:
   """The ring of ``strategy``'s workers (made once, connected lazily).
 
@@ -176,6 +177,7 @@ def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
     ports: ``"FIRST-LAST"`` to listen on; ``TFDIST_RING_PORTS`` when
       ``None``.
     authenticate_values: tag every step's bytes too.
+    threaded_bytes: `tfdist.perf.SocketRing`'s; its default when ``None``.
 
   Returns:
     ``None`` when the strategy has a single replica.
@@ -188,7 +190,7 @@ def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
   if not check_strategy(strategy):
     return None
   cache_key = (id(strategy), float(connect_timeout_s), float(timeout_s),
-               secret, ports, authenticate_values)
+               secret, ports, authenticate_values, threaded_bytes)
   with _lock:
     entry = _rings.get(cache_key)
     if entry is not None and entry[0]() is strategy:
@@ -203,7 +205,9 @@ def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
         rendezvous=CoordinationRendezvous(), key=key,
         connect_timeout_s=connect_timeout_s, timeout_s=timeout_s,
         source=f"{_SOURCE}, cluster resolver", secret=secret, ports=ports,
-        authenticate_values=authenticate_values)
+        authenticate_values=authenticate_values,
+        **({} if threaded_bytes is None else
+           {"threaded_bytes": threaded_bytes}))
     _rings[cache_key] = (weakref.ref(strategy), ring)
     if not _atexit_registered:
       atexit.register(close_transports)
@@ -253,6 +257,7 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
     ports: ``"FIRST-LAST"`` to listen on; ``TFDIST_RING_PORTS`` when
       ``None``.
     authenticate_values: tag every step's bytes too.
+    threaded_bytes: `tfdist.perf.SocketRing`'s; its default when ``None``.
 
   Returns:
     The summed gradients, dense, each in its gradient's dtype.

@@ -22,7 +22,6 @@ this module holds the builders, which need TensorFlow.
 from __future__ import annotations
 
 import itertools
-import sys
 from typing import Any, Callable, Mapping
 
 from absl import logging
@@ -188,7 +187,7 @@ def _build_parameter_server(o: opts.ParameterServerOptions,
     logging.info("tfdist: %s:%s serves the chief until it finishes",
                  info.task_type, info.task_id)
     server_lib.serve(info)
-    sys.exit(0)
+    server_lib.end_served(info)
   if info.task_type != "chief":
     raise ConfigError(
         field="task.type", value=info.task_type, source=info.origin,

@@ -119,6 +119,8 @@ class SocketRing:
     authenticate_values: also tag every step's bytes (HMAC-SHA256), so
       values altered on the way fail the call; costs hashing every byte
       sent and received. Needs a secret.
+    threaded_bytes: steps that receive at least this many bytes run a
+      sending and a receiving thread (`tfdist.perf.ring.exchange`).
 
   Raises:
     ConfigError: a rank out of range, a non-positive timeout or
@@ -132,7 +134,8 @@ class SocketRing:
                connect_timeout_s: float = 300.0, timeout_s: float = 300.0,
                block_bytes: int = DEFAULT_BLOCK_BYTES,
                source: str = "SocketRing", secret: bytes | str | None = None,
-               ports: str | None = None, authenticate_values: bool = False):
+               ports: str | None = None, authenticate_values: bool = False,
+               threaded_bytes: int = exchange.THREADED_BYTES):
     hosts = tuple(hosts)
     self._members = connection.Members(
         rank=rank, hosts=hosts, source=source,
@@ -158,6 +161,7 @@ class SocketRing:
     self._connect_timeout_s = float(connect_timeout_s)
     self._timeout_s = float(timeout_s)
     self._block = max(1, int(block_bytes) // 4)
+    self._threaded_bytes = int(threaded_bytes)
     self._source = source
     self._header_source = (
         f"socket transport, {self._members.describe(self._members.left)}")
@@ -224,7 +228,8 @@ class SocketRing:
     self._link = exchange.Link(left=pair.left, right=pair.right,
                                left_rank=members.left,
                                right_rank=members.right,
-                               timeout_s=self._timeout_s, seal=seal)
+                               timeout_s=self._timeout_s, seal=seal,
+                               threaded_bytes=self._threaded_bytes)
 
   def _warn_unauthenticated(self) -> None:
     global _warned_unauthenticated
