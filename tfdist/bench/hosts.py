@@ -38,6 +38,7 @@ from tfdist.bench import allreduce as allreduce_lib
 from tfdist.bench import link as link_lib
 from tfdist.bench import report as report_lib
 from tfdist.bench import runner
+from tfdist.bench import scaling
 from tfdist.bench.report import Target
 from tfdist.errors import ConfigError
 
@@ -141,7 +142,6 @@ def run(config: HostsConfig, *, json_path: str | None = None,
                               methods=config.methods,
                               iterations=config.iterations)
   log(f"tfdist bench: training {_MODEL} ...")
-  from tfdist.bench import scaling  # pylint: disable=g-import-not-at-top
   spec = {"models": {_MODEL: [{"name": "raw"},
                               {"name": "tfdist", **scaling.RECOMMENDED}]},
           "batch": {_MODEL: config.batch}, "steps": config.train_steps,

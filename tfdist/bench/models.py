@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 __all__ = ["ModelSpec", "MODELS", "set_threads", "synthetic_dataset",
@@ -33,14 +34,13 @@ class ModelSpec:
   build: Callable[[], "object"]
 
 
-def _mlp():
+def _dense_stack(inputs: int, hidden: tuple[int, ...], classes: int = 10):
+  """``inputs``, ReLU layers of ``hidden`` widths, ``classes`` logits."""
   import keras  # pylint: disable=g-import-not-at-top
-  return keras.Sequential([
-      keras.Input((784,)),
-      keras.layers.Dense(256, activation="relu"),
-      keras.layers.Dense(256, activation="relu"),
-      keras.layers.Dense(10),
-  ])
+  return keras.Sequential(
+      [keras.Input((inputs,))]
+      + [keras.layers.Dense(w, activation="relu") for w in hidden]
+      + [keras.layers.Dense(classes)])
 
 
 def _cnn():
@@ -57,22 +57,14 @@ def _cnn():
   ])
 
 
-def _wide_mlp():
-  import keras  # pylint: disable=g-import-not-at-top
-  return keras.Sequential([
-      keras.Input((1024,)),
-      keras.layers.Dense(4096, activation="relu"),
-      keras.layers.Dense(1024, activation="relu"),
-      keras.layers.Dense(10),
-  ])
-
-
 MODELS: dict[str, ModelSpec] = {
-    "mlp": ModelSpec(name="mlp", input_shape=(784,), classes=10, build=_mlp),
+    "mlp": ModelSpec(name="mlp", input_shape=(784,), classes=10,
+                     build=functools.partial(_dense_stack, 784, (256, 256))),
     "cnn": ModelSpec(name="cnn", input_shape=(32, 32, 3), classes=10,
                      build=_cnn),
     "wide_mlp": ModelSpec(name="wide_mlp", input_shape=(1024,), classes=10,
-                          build=_wide_mlp),
+                          build=functools.partial(_dense_stack, 1024,
+                                                  (4096, 1024))),
 }
 
 

@@ -59,6 +59,7 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 from tfdist.perf import ring as ring_lib
+from tfdist.perf.ring import exchange
 from tfdist.strategy import introspect
 
 __all__ = ["TRANSPORTS", "check_strategy", "peers", "CoordinationRendezvous",
@@ -165,7 +166,7 @@ def _host(address: str) -> str:
 def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
              secret: str | None = None, ports: str | None = None,
              authenticate_values: bool = False,
-             threaded_bytes: int | None = None
+             threaded_bytes: int = exchange.THREADED_BYTES
              ) -> ring_lib.SocketRing | None:
   """The ring of ``strategy``'s workers (made once, connected lazily).
 
@@ -177,7 +178,8 @@ def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
     ports: ``"FIRST-LAST"`` to listen on; ``TFDIST_RING_PORTS`` when
       ``None``.
     authenticate_values: tag every step's bytes too.
-    threaded_bytes: `tfdist.perf.SocketRing`'s; its default when ``None``.
+    threaded_bytes: steps receiving this many bytes or more run a sending
+      and a receiving thread (`tfdist.perf.ring.exchange`).
 
   Returns:
     ``None`` when the strategy has a single replica.
@@ -206,8 +208,7 @@ def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
         connect_timeout_s=connect_timeout_s, timeout_s=timeout_s,
         source=f"{_SOURCE}, cluster resolver", secret=secret, ports=ports,
         authenticate_values=authenticate_values,
-        **({} if threaded_bytes is None else
-           {"threaded_bytes": threaded_bytes}))
+        threaded_bytes=threaded_bytes)
     _rings[cache_key] = (weakref.ref(strategy), ring)
     if not _atexit_registered:
       atexit.register(close_transports)
@@ -257,7 +258,6 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
     ports: ``"FIRST-LAST"`` to listen on; ``TFDIST_RING_PORTS`` when
       ``None``.
     authenticate_values: tag every step's bytes too.
-    threaded_bytes: `tfdist.perf.SocketRing`'s; its default when ``None``.
 
   Returns:
     The summed gradients, dense, each in its gradient's dtype.

@@ -227,7 +227,7 @@ class Link:
                               daemon=True)
     sender.start()
     try:
-      self._receive_all(recvs, sent, failure)
+      self._receive_all(recvs, sent, failure, progress)
     except BaseException as e:
       failure.append(e if isinstance(e, PeerLost) else PeerLost(
           self._left_rank, f"the step was interrupted: {e!r}"))
@@ -242,7 +242,8 @@ class Link:
     left.setblocking(False)
 
   def _receive_all(self, recvs: Recvs, sent: list[int],
-                   failure: list[PeerLost]) -> None:
+                   failure: list[PeerLost],
+                   progress: threading.Condition) -> None:
     """The receiving half of `_exchange_threaded`."""
     left = self._left
     waiting: list[tuple[int, Callable[[], None]]] = []
@@ -268,18 +269,19 @@ class Link:
         waiting.append((after, done))
       while waiting and waiting[0][0] < sent[0]:
         waiting.pop(0)[1]()
-    # What waits on a send runs once it is written (or the sender failed).
+    # What waits on a send runs once it is written; the sender notifies
+    # `progress` after each send and when it ends (failed or not).
     deadline = time.monotonic() + self._timeout_s
     while waiting:
+      with progress:
+        while not failure and waiting[0][0] >= sent[0]:
+          if time.monotonic() > deadline:
+            raise PeerLost(self._right_rank, "it accepted no data for "
+                           f"{self._timeout_s:.0f} s (timeout_s)")
+          progress.wait(_POLL_S)
       if failure:
         raise failure[0]
-      if waiting[0][0] < sent[0]:
-        waiting.pop(0)[1]()
-      elif time.monotonic() > deadline:
-        raise PeerLost(self._right_rank, "it accepted no data for "
-                       f"{self._timeout_s:.0f} s (timeout_s)")
-      else:
-        time.sleep(0.0005)
+      waiting.pop(0)[1]()
 
   def close(self) -> None:
     """Closes both connections; peers mid-call see them close at once."""
