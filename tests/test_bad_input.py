@@ -116,6 +116,8 @@ class StrategyMismatchTest(parameterized.TestCase):
        {"timeout_seconds": 0}, "timeout_seconds"),
       ("bad_startup_timeout", "multi_worker_mirrored", None,
        {"startup_timeout_seconds": -1}, "startup_timeout_seconds"),
+      ("bad_exit_timeout", "multi_worker_mirrored", None,
+       {"exit_timeout_seconds": "60"}, "exit_timeout_seconds"),
       ("bad_implementation", "multi_worker_mirrored", None,
        {"implementation": "mpi"}, "implementation"),
       ("bad_device", "one_device", None, {"device": "/tpu:9"}, "device"),

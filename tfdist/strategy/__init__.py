@@ -14,6 +14,7 @@ One module per concept:
 | `startup`    | the bound on cluster start-up                                |
 | `server`     | ps and worker tasks serving a parameter-server chief         |
 | `introspect` | the one reading of a running strategy (task, chief, workers) |
+| `clean_exit` | multi-worker tasks leave together at a clean exit (bounded)  |
 """
 
 from tfdist import _lazy

@@ -35,6 +35,7 @@ from tfdist.cluster import resolver as resolver_lib
 from tfdist.cluster.info import ClusterInfo
 from tfdist.errors import ConfigError, StartupTimeoutError
 from tfdist.strategy import catalog
+from tfdist.strategy import clean_exit
 from tfdist.strategy import introspect
 from tfdist.strategy import options as opts
 from tfdist.strategy import server as server_lib
@@ -143,9 +144,11 @@ def _build_multi_worker_mirrored(o: opts.MultiWorkerMirroredOptions,
   info = names_lib.resolve_names(info)  # Seconds, not the start-up bound.
   try:
     with startup_lib.bounded_startup(info, o.startup_timeout_seconds):
-      return tf.distribute.MultiWorkerMirroredStrategy(
+      strategy = tf.distribute.MultiWorkerMirroredStrategy(
           cluster_resolver=resolver_lib.resolver_for(info),
           communication_options=communication)
+    clean_exit.register(info, o.exit_timeout_seconds)
+    return strategy
   except tf.errors.UnavailableError as e:
     # The leader ended (its own start-up bound, a crash) while this task
     # waited for the cluster: name what is missing, as the bound would.

@@ -125,17 +125,23 @@ class MultiWorkerMirroredOptions:
       every task to join; past it the process prints the tasks not answering
       and their addresses and is killed (SIGKILL, status 137). ``None`` waits
       forever.
+    exit_timeout_seconds: at a clean exit every task waits for the others,
+      at most this long, so that none leaves while another still talks to
+      the coordination service (`tfdist.strategy.clean_exit`). ``None`` leaves at
+      once.
   """
   implementation: str = "auto"
   bytes_per_pack: int = 0
   timeout_seconds: float | None = 300.0
   num_workers: int | None = None
   startup_timeout_seconds: float | None = 300.0
+  exit_timeout_seconds: float | None = 60.0
 
   def __post_init__(self):
     _one_of("implementation", self.implementation, COLLECTIVE_IMPLEMENTATIONS)
     _positive_int("bytes_per_pack", self.bytes_per_pack, allow_zero=True)
-    for name in ("timeout_seconds", "startup_timeout_seconds"):
+    for name in ("timeout_seconds", "startup_timeout_seconds",
+                 "exit_timeout_seconds"):
       value = getattr(self, name)
       if value is not None and not (
           isinstance(value, (int, float)) and not isinstance(value, bool)
