@@ -11,13 +11,20 @@ strategy, or with a strategy that already works, runs Keras's own code.
 | ``symbolic_build_reduce``     | ``TensorFlowTrainer._maybe_symbolic_build``   | MultiWorkerMirrored   |
 | ``multi_worker_scalar_mean``  | ``reduce_per_replica``                        | MultiWorkerMirrored   |
 | ``steps_per_execution``       | ``TensorFlowTrainer._make_function``          | Mirrored, spe > 1     |
-| ``jit_compile_multi_replica`` | ``TensorFlowTrainer._make_function``          | (MultiWorker)Mirrored, ``jit_compile=True`` |
+| ``jit_compile_multi_replica`` | ``TensorFlowTrainer._make_function``          | (MultiWorker)Mirrored, ``jit_compile=True``: refused, see below |
 | ``atomic_assign_add``         | ``Variable.assign_add`` / ``assign_sub``      | ParameterServer: lost increments |
 | ``lazy_optimizer_build``      | ``BaseOptimizer.apply``                       | custom loops: optimizer built inside ``strategy.run`` on several replicas |
 
 The corrections are applied only to the Keras versions they were verified on
 (`TESTED_RANGE`) and never to a version at or past a fix's ``fixed_in``.
 `tfdist.make_strategy` calls `apply`, so users need not.
+
+One setting cannot be corrected: ``jit_compile=True`` on several replicas of
+a (MultiWorker)MirroredStrategy (XLA cannot compile a step whose gradient
+all-reduce and variable updates span the replicas). The first `fit`,
+`evaluate` or `predict` refuses it with the error `apply` was given
+(`tfdist.ConfigError` from `make_strategy`), rather than training without XLA
+behind the user's back.
 
 Example:
   >>> from tfdist._compat import keras as keras_compat
@@ -139,7 +146,20 @@ def applied_fixes() -> tuple[str, ...]:
 _applied_names: set[str] = set()
 
 
-def apply(names: Iterable[str] | None = None) -> tuple[str, ...]:
+def _value_error(*, field: str, value: Any, expected: str, source: str,
+                 hint: str) -> Exception:
+  return ValueError(f"{field}: received {value!r}; expected {expected} "
+                    f"({source}). {hint}")
+
+
+# Builds the error for a setting Keras cannot run under a strategy. This floor
+# imports nothing from tfdist, so the floor that owns tfdist's errors hands
+# its class to `apply` (`tfdist.make_strategy` passes `ConfigError`).
+_refusal: list[Callable[..., Exception]] = [_value_error]
+
+
+def apply(names: Iterable[str] | None = None, *,
+          refusal: Callable[..., Exception] | None = None) -> tuple[str, ...]:
   """Installs the corrections the installed Keras needs; idempotent.
 
   Safe to call many times and from several threads. Outside `TESTED_RANGE` it
@@ -148,10 +168,15 @@ def apply(names: Iterable[str] | None = None) -> tuple[str, ...]:
   Args:
     names: install only these of the needed corrections (tests use it to show
       each upstream bug on its own); all of them by default.
+    refusal: builds the error raised for a setting that cannot run, called
+      with the keywords ``field``, ``value``, ``expected``, ``source`` and
+      ``hint`` (`tfdist.ConfigError` fits); a ``ValueError`` by default.
 
   Returns:
     The names of the corrections in place after the call.
   """
+  if refusal is not None:
+    _refusal[0] = refusal
   fixes = needed_fixes()
   if not fixes:
     _warn_untested_once()
@@ -270,7 +295,8 @@ def _reduce_per_replica(original):
 #   kernel on CPU (UnimplementedError, then the process aborts). Compiling only
 #   the per-replica step (as tf_keras did) fails the same way, because the
 #   optimizer's cross-replica update runs inside it. So the step is built
-#   without XLA, as `jit_compile="auto"` already decides under a strategy.
+#   without XLA only when asked (`jit_compile="auto"` decides so under a
+#   strategy); an explicit `jit_compile=True` is refused (`_refusal`).
 def _own_loop_needed(model: Any) -> bool:
   strategy = model._distribute_strategy  # pylint: disable=protected-access
   if strategy is None or model.run_eagerly:
@@ -303,12 +329,19 @@ def _make_distributed_function(model: Any, step_function: Callable[..., Any]
   if model.jit_compile:
     # Compiling only the replica's step would not help: the gradient
     # all-reduce and the variable updates of every replica run inside it.
-    logging.log_first_n(
-        logging.WARNING,
-        "tfdist: jit_compile=True is not supported by Keras %s under %s "
-        "(XLA fails across replicas); training without XLA, as "
-        "jit_compile='auto' does.", 1, _keras_version_string(),
-        type(strategy).__name__)
+    # MultiWorkerMirroredStrategy's class is named CollectiveAllReduceStrategy.
+    multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+    kind = ("MultiWorkerMirroredStrategy" if multi_worker
+            else type(strategy).__name__)
+    raise _refusal[0](
+        field="jit_compile", value=True, source="Model.compile",
+        expected=(f"False or 'auto' under {kind} with "
+                  f"{strategy.num_replicas_in_sync} replicas: XLA cannot "
+                  f"compile a step whose gradient all-reduce and variable "
+                  f"updates span replicas (Keras {_keras_version_string()})"),
+        hint=("Compile with jit_compile='auto' (Keras's default, which turns "
+              "XLA off under a strategy); XLA stays available without a "
+              "strategy, on one replica, and on TPUs"))
 
   @tf.autograph.experimental.do_not_convert
   def one_step_on_data(data):

@@ -282,8 +282,9 @@ def make_strategy(name: str = "auto", *,
     >>> with strategy.scope():
     ...   model = build_model()
   """
-  # Every strategy tfdist builds runs Keras 3's trainer with its corrections.
-  keras_compat.apply()
+  # Every strategy tfdist builds runs Keras 3's trainer with its corrections;
+  # what cannot be corrected is refused with a ConfigError.
+  keras_compat.apply(refusal=ConfigError)
   # From here until training watches signals, nothing can be saved: SIGTERM
   # and SIGUSR1 exit 42 at once, saying so.
   startup_lib.install_stop_handlers()
