@@ -13,6 +13,7 @@ from absl.testing import parameterized
 
 import cluster_utils
 import tfdist
+from tfdist._compat import keras as keras_compat
 
 TWO_WORKERS = {"cluster": {"worker": ["127.0.0.1:{p0}", "127.0.0.1:{p1}"]},
                "task": {"type": "worker", "index": 1}}
@@ -48,6 +49,9 @@ class InfoTest(parameterized.TestCase):
     self.assertEqual(system["cpus"], os.cpu_count())
     if shutil.which("nvidia-smi") is None:  # No driver: nothing invented.
       self.assertEqual((system["gpus"], system["driver"]), ([], None))
+    # The Keras under test has the code every correction was verified on.
+    self.assertEqual(report["keras_corrections"],
+                     {fix.name: [] for fix in keras_compat.FIXES})
 
   def test_json_tf_config_two_workers(self):
     p0, p1 = cluster_utils.free_ports(2)
@@ -83,6 +87,9 @@ class InfoTest(parameterized.TestCase):
     self.assertIn(f"system:   {platform.platform()}, {os.cpu_count()} CPUs",
                   r.stdout)
     self.assertIn("cuda:     built with CUDA ", r.stdout)
+    self.assertIn(f"keras:    {len(keras_compat.FIXES)} of "
+                  f"{len(keras_compat.FIXES)} tfdist corrections match this "
+                  "Keras's code\n", r.stdout)
 
 
 class ErrorContractTest(parameterized.TestCase):

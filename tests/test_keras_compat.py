@@ -7,6 +7,7 @@ corrections and fail, on purpose, the day upstream fixes a bug.
 """
 
 import contextlib
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -19,9 +20,11 @@ import tfdist
 from tfdist._compat import keras as keras_compat
 import cluster_utils
 
-ALL_FIXES = ("atomic_assign_add", "jit_compile_multi_replica",
-             "lazy_optimizer_build", "multi_worker_scalar_mean",
-             "steps_per_execution", "symbolic_build_reduce")
+ALL_FIXES = ("atomic_assign_add", "chief_aware_callbacks",
+             "jit_compile_multi_replica", "lazy_optimizer_build",
+             "multi_worker_scalar_mean", "steps_per_execution",
+             "symbolic_build_reduce")
+_REDUCE = "keras.src.backend.tensorflow.trainer:reduce_per_replica"
 DEVICES = ["/cpu:0", "/cpu:1"]
 
 
@@ -69,28 +72,64 @@ def _upstream_keras():
 
 
 def _upstream_fixed(fix: str) -> str:
-  return (f"upstream fixed {fix} in keras {keras.__version__}: drop the "
-          f"correction (set fixed_in={keras.__version__!r} for {fix!r} in "
-          "tfdist/_compat/keras.py)")
+  return (f"upstream fixed {fix} in keras {keras.__version__} without "
+          "changing the code tfdist's correction fingerprints: drop the "
+          f"correction {fix!r} from tfdist/_compat/keras.py")
 
 
-class VersionGateTest(parameterized.TestCase):
+class FingerprintTest(parameterized.TestCase):
+  """Corrections apply where Keras still has the code they were verified on."""
+
+  def test_installed_keras_has_the_verified_code(self):
+    # Fails when the venv moves to a Keras whose code changed: re-verify.
+    self.assertEqual({f.name: keras_compat.changed_targets(f)
+                      for f in keras_compat.FIXES},
+                     {name: () for name in ALL_FIXES})
+    self.assertIn(keras.__version__, keras_compat.VERIFIED_VERSIONS)
+
+  def test_fingerprint_reads_keras_code_under_the_corrections(self):
+    keras_compat.restore()
+    try:
+      before = keras_compat.fingerprint(_REDUCE)
+      keras_compat.apply()
+      self.assertEqual(keras_compat.fingerprint(_REDUCE), before)
+      self.assertRegex(before, r"^[0-9a-f]{16}$")
+    finally:
+      keras_compat.apply()
 
   @parameterized.named_parameters(
-      ("tested", "3.15.1", ALL_FIXES),
-      ("tested_first", "3.15.0", ALL_FIXES),
-      ("older", "3.14.2", ()),
-      ("newer", "3.16.0", ()),
-      ("prerelease_of_newer", "3.16.0rc1", ()),
+      ("changed_code", {_REDUCE: "0123456789abcdef"}, (_REDUCE,)),
+      ("no_source", {"builtins:len": "0123456789abcdef"}, ("builtins:len",)),
+      ("missing_function", {f"{_REDUCE}_gone": None}, (f"{_REDUCE}_gone",)),
+      ("missing_module", {"keras.src.gone:f": "0123456789abcdef"},
+       ("keras.src.gone:f",)),
+      ("public_signature_only", {"keras:Model.fit": None}, ()),
   )
-  def test_needed_fixes(self, version, expected):
-    got = keras_compat.needed_fixes(version)
-    self.assertEqual(sorted(f.name for f in got), sorted(expected))
+  def test_changed_targets(self, verified, changed):
+    fix = keras_compat.Fix("probe", verified, "none")
+    self.assertEqual(keras_compat.changed_targets(fix), changed)
+    self.assertEqual(keras_compat.needed_fixes([fix]), () if changed else (fix,))
 
-  def test_installed_version_is_covered(self):
-    # Fails when the venv moves to a Keras outside TESTED_RANGE: re-verify.
-    self.assertEqual(sorted(f.name for f in keras_compat.needed_fixes()),
-                     sorted(ALL_FIXES))
+  def test_a_changed_fix_is_left_out_and_said_once(self):
+    changed = keras_compat.Fix("multi_worker_scalar_mean",
+                               {_REDUCE: "0123456789abcdef"}, "none")
+    fixes = tuple(changed if f.name == changed.name else f
+                  for f in keras_compat.FIXES)
+    keras_compat.restore()
+    try:
+      with mock.patch.object(keras_compat, "FIXES", fixes):
+        with self.assertLogs("absl", "WARNING") as logs:
+          applied = keras_compat.apply()
+          keras_compat.apply()
+      self.assertNotIn("multi_worker_scalar_mean", applied)
+      self.assertEqual(sorted(applied),
+                       sorted(set(ALL_FIXES) - {"multi_worker_scalar_mean"}))
+      said = [r for r in logs.output if "multi_worker_scalar_mean" in r]
+      self.assertLen(said, 1)
+      self.assertIn(f"Keras {keras.__version__} changed {_REDUCE}", said[0])
+    finally:
+      keras_compat.restore()
+      keras_compat.apply()
 
   def test_apply_is_idempotent_and_reversible(self):
     from keras.src.backend.tensorflow import trainer  # pylint: disable=g-import-not-at-top

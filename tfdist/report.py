@@ -42,14 +42,16 @@ def gather(*, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     ``strategy_reason``, ``is_chief``, ``address``, ``versions``,
     ``devices``, ``python``, ``system`` (``os``, ``cpus``, ``cuda_build``,
     ``cudnn_build``, ``gpus``: the names the driver lists, ``driver``: its
-    version or ``None``) and ``checks`` (each ``name``, ``ok``,
-    ``detail``).
+    version or ``None``), ``keras_corrections`` (each correction's name to
+    the Keras functions that changed since it was verified: empty where it
+    applies) and ``checks`` (each ``name``, ``ok``, ``detail``).
 
   Raises:
     ConfigError: the cluster configuration is invalid.
   """
   # Resolve first: a bad configuration fails before TensorFlow loads.
   info = resolve_lib.resolve_cluster(environ=environ)
+  from tfdist._compat import keras as keras_compat  # Imports Keras.
   from tfdist.cluster import local as local_lib  # Imports TensorFlow.
   from tfdist.strategy import factory
 
@@ -60,6 +62,8 @@ def gather(*, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
       strategy=name, strategy_reason=why, is_chief=info.is_chief,
       address=info.address, versions=_versions(), devices=devices,
       python=platform.python_version(), system=_system(),
+      keras_corrections={fix.name: list(keras_compat.changed_targets(fix))
+                         for fix in keras_compat.FIXES},
       checks=_checks(info, environ))
   return report
 
@@ -74,6 +78,7 @@ def format_report(report: Mapping[str, Any]) -> str:
            f"{', '.join(system['gpus']) or 'none'}; driver "
            f"{system['driver'] or 'none'}",
            "versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+           _corrections_line(report["keras_corrections"]),
            "devices:  " + (", ".join(f"{n} {k}" for k, n in report["devices"].items()) or "none"),
            f"cluster:  {report['origin']} (source={report['source']})"]
   for job, addrs in report["cluster"].items():
@@ -92,6 +97,16 @@ def format_report(report: Mapping[str, Any]) -> str:
     mark = "ok  " if check["ok"] else "FAIL"
     lines.append(f"check:    [{mark}] {check['name']}: {check['detail']}")
   return "\n".join(lines)
+
+
+def _corrections_line(changed: Mapping[str, list[str]]) -> str:
+  kept = [name for name, targets in changed.items() if not targets]
+  line = (f"keras:    {len(kept)} of {len(changed)} tfdist corrections match "
+          "this Keras's code")
+  gone = [f"{name} ({', '.join(targets)})"
+          for name, targets in changed.items() if targets]
+  return line + (f"; not applied, code changed upstream: {'; '.join(gone)}"
+                 if gone else "")
 
 
 def _versions() -> dict[str, str]:

@@ -6,10 +6,13 @@ change from the tutorial is that tfdist builds the strategy.
 
 Usage: keras_fit.py [--strategy NAME] [--upstream] [--steps_per_execution N]
   [--jit_compile] [--epochs N] [--steps N] [--global_batch B] [--seed S]
+  [--write_dir DIR]
 
 ``--upstream`` builds the strategy with TensorFlow directly, so Keras runs
-without tfdist's corrections. Prints one JSON line: the weight checksum, the
-history, or the error fit raised.
+without tfdist's corrections. ``--write_dir`` trains with Keras's own writing
+callbacks (ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger) on paths
+under DIR, the same on every worker, as a user would write them. Prints one
+JSON line: the weight checksum, the history, or the error fit raised.
 """
 
 import argparse
@@ -29,6 +32,7 @@ parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--steps", type=int, default=4, help="steps per epoch")
 parser.add_argument("--global_batch", type=int, default=16)
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--write_dir", default=None)
 args = parser.parse_args()
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
@@ -80,13 +84,32 @@ y = rng.integers(0, 10, size=(n,)).astype(np.int64)
 # Every worker holds the whole dataset; tf.distribute shards it.
 dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch)
 
-result = {"replicas": strategy.num_replicas_in_sync,
+
+
+def writing_callbacks(root):
+  return [
+      keras.callbacks.ModelCheckpoint(
+          os.path.join(root, "ckpt", "epoch-{epoch}.weights.h5"),
+          save_weights_only=True),
+      keras.callbacks.ModelCheckpoint(os.path.join(root, "best.keras"),
+                                      monitor="loss", save_best_only=True),
+      keras.callbacks.BackupAndRestore(os.path.join(root, "backup"),
+                                       delete_checkpoint=False,
+                                       double_checkpoint=True),
+      keras.callbacks.TensorBoard(os.path.join(root, "tb")),
+      keras.callbacks.CSVLogger(os.path.join(root, "log.csv")),
+  ]
+
+
+result = {"replicas": strategy.num_replicas_in_sync, "pid": os.getpid(),
           "strategy": type(strategy).__name__,
           "applied": list(keras_compat.applied_fixes())}
 try:
   with strategy.scope():
     model = build_and_compile_cnn_model()
-  history = model.fit(dataset, epochs=args.epochs, verbose=0)
+  callbacks = writing_callbacks(args.write_dir) if args.write_dir else None
+  history = model.fit(dataset, epochs=args.epochs, verbose=0,
+                      callbacks=callbacks)
   weights = model.get_weights()
   result.update(
       ok=True,

@@ -1,12 +1,12 @@
 """Narrow corrections that make Keras 3 `model.fit` work under tf.distribute.
 
-Keras 3.15's TensorFlow trainer (``keras/src/backend/tensorflow/trainer.py``)
-fails under some strategies for reasons that are each a few lines long. `apply`
+Keras's TensorFlow trainer (``keras/src/backend/tensorflow/trainer.py``) fails
+under some strategies for reasons that are each a few lines long. `apply`
 replaces the affected functions with wrappers that take the corrected path only
 in the failing situation and otherwise call the original, so training without a
 strategy, or with a strategy that already works, runs Keras's own code.
 
-| fix                           | upstream code (keras 3.15.1)                  | fails with            |
+| fix                           | upstream code replaced                        | fails with            |
 |-------------------------------|-----------------------------------------------|-----------------------|
 | ``symbolic_build_reduce``     | ``TensorFlowTrainer._maybe_symbolic_build``   | MultiWorkerMirrored   |
 | ``multi_worker_scalar_mean``  | ``reduce_per_replica``                        | MultiWorkerMirrored   |
@@ -14,47 +14,63 @@ strategy, or with a strategy that already works, runs Keras's own code.
 | ``jit_compile_multi_replica`` | ``TensorFlowTrainer._make_function``          | (MultiWorker)Mirrored, ``jit_compile=True``: refused, see below |
 | ``atomic_assign_add``         | ``Variable.assign_add`` / ``assign_sub``      | ParameterServer: lost increments |
 | ``lazy_optimizer_build``      | ``BaseOptimizer.apply``                       | custom loops: optimizer built inside ``strategy.run`` on several replicas |
+| ``chief_aware_callbacks``     | ``TensorFlowTrainer.fit`` (its callbacks)     | every worker writes ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger paths (`keras_callbacks`) |
 
-The corrections are applied only to the Keras versions they were verified on
-(`TESTED_RANGE`) and never to a version at or past a fix's ``fixed_in``.
-`tfdist.make_strategy` calls `apply`, so users need not.
+**Which Keras gets them: decided at run time from the code, not the version.**
+Each correction records a fingerprint (`fingerprint`: a hash of the source
+text) of every upstream function it replaces or relies on, as verified here.
+`apply` installs a correction only where the installed Keras still has exactly
+that code, so the bug is there and the correction fits it; where upstream
+changed one of those functions (fixed the bug, or moved the code the wrapper
+mirrors), it logs once which function changed and leaves Keras alone. The code
+verified is that of Keras 3.15.1, identical in 3.13.2 through 3.15.1
+(`VERIFIED_VERSIONS`); the tests also run Keras without the corrections and
+fail the day upstream fixes a bug.
 
 One setting cannot be corrected: ``jit_compile=True`` on several replicas of
 a (MultiWorker)MirroredStrategy (XLA cannot compile a step whose gradient
 all-reduce and variable updates span the replicas). The first `fit`,
-`evaluate` or `predict` refuses it with the error `apply` was given
+`evaluate` or `predict` refuses it with the error `Host.refusal` builds
 (`tfdist.ConfigError` from `make_strategy`), rather than training without XLA
 behind the user's back.
 
 Example:
   >>> from tfdist._compat import keras as keras_compat
   >>> keras_compat.apply()
-  ('symbolic_build_reduce', 'multi_worker_scalar_mean', ...)
+  ('atomic_assign_add', 'chief_aware_callbacks', ...)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
+import hashlib
+import importlib
+import inspect
+import textwrap
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from absl import logging
+
+from tfdist._compat import keras_callbacks
 
 __all__ = [
     "FIXES",
     "Fix",
-    "TESTED_RANGE",
+    "Host",
+    "VERIFIED_VERSIONS",
     "apply",
     "applied_fixes",
-    "keras_version",
+    "changed_targets",
+    "fingerprint",
     "needed_fixes",
     "restore",
 ]
 
-#: Keras versions the corrections were verified on: ``low <= version < high``.
-TESTED_RANGE: tuple[str, str] = ("3.15.0", "3.16.0")
+#: Keras releases whose code the fingerprints below match (checked by
+#: hashing each release's functions); the test suite runs on the last one.
+VERIFIED_VERSIONS: tuple[str, ...] = ("3.13.2", "3.14.1", "3.15.0", "3.15.1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,38 +79,77 @@ class Fix:
 
   Attributes:
     name: short name, as `needed_fixes` and `apply` report it.
-    target: the upstream function replaced, as ``module:qualname``.
+    verified: each upstream function the correction replaces or relies on,
+      as ``module:qualname``, to its `fingerprint` in the code verified
+      here, or to ``None`` where only its public signature matters.
     issue: the upstream issue that tracks the bug.
-    fixed_in: the first Keras version that no longer needs the correction, or
-      ``None`` while upstream is still broken.
   """
   name: str
-  target: str
+  verified: Mapping[str, str | None]
   issue: str
-  fixed_in: str | None = None
 
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
+_MAKE_FUNCTION = {f"{_TRAINER}:TensorFlowTrainer._make_function":
+                  "93aaf1c139f8a7e7"}
 
 #: Every correction this module knows, in the order `apply` installs them.
 FIXES: tuple[Fix, ...] = (
     Fix("symbolic_build_reduce",
-        f"{_TRAINER}:TensorFlowTrainer._maybe_symbolic_build",
+        {f"{_TRAINER}:TensorFlowTrainer._maybe_symbolic_build":
+         "b0ca9a63ed295fb9"},
         "keras-team/keras#20585"),
-    Fix("multi_worker_scalar_mean", f"{_TRAINER}:reduce_per_replica",
+    Fix("multi_worker_scalar_mean",
+        {f"{_TRAINER}:reduce_per_replica": "2e7d54b1e6edc29a"},
         "tensorflow/tensorflow#72388"),
-    Fix("steps_per_execution", f"{_TRAINER}:TensorFlowTrainer._make_function",
-        "keras-team/keras#19246"),
-    Fix("jit_compile_multi_replica",
-        f"{_TRAINER}:TensorFlowTrainer._make_function",
+    Fix("steps_per_execution", _MAKE_FUNCTION, "keras-team/keras#19246"),
+    Fix("jit_compile_multi_replica", _MAKE_FUNCTION,
         "XLA cannot compile a whole multi-replica step (none filed)"),
     Fix("atomic_assign_add",
-        "keras.src.backend.common.variables:Variable.assign_add",
+        {"keras.src.backend.common.variables:Variable.assign_add":
+         "b8d4dc30c3d0e141",
+         "keras.src.backend.common.variables:Variable.assign_sub":
+         "f0a8e1295527cec2"},
         "keras-team/keras#18668"),
     Fix("lazy_optimizer_build",
-        "keras.src.optimizers.base_optimizer:BaseOptimizer.apply",
+        {"keras.src.optimizers.base_optimizer:BaseOptimizer.apply":
+         "72c9ffc2e5a116a1",
+         "keras.src.layers.layer:Layer._maybe_build": "2df515fff5375b76"},
         "keras-team/keras#19308"),
+    Fix("chief_aware_callbacks",
+        {f"{_TRAINER}:TensorFlowTrainer.fit": None,
+         **keras_callbacks.VERIFIED},
+        "tensorflow/tensorflow#38635 (every worker saves to one path)"),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+  """What the floors above hand the corrections; this floor imports nothing
+  from tfdist, so `tfdist.make_strategy` passes them to `apply`.
+
+  Attributes:
+    refusal: builds the error raised for a setting that cannot run, called
+      with the keywords ``field``, ``value``, ``expected``, ``source`` and
+      ``hint`` (`tfdist.ConfigError` fits).
+    is_chief: whether this process writes checkpoints and logs under a
+      strategy (`tfdist.strategy.introspect.is_chief`).
+  """
+  refusal: Callable[..., Exception]
+  is_chief: Callable[[Any], bool]
+
+
+def _value_error(*, field: str, value: Any, expected: str, source: str,
+                 hint: str) -> Exception:
+  return ValueError(f"{field}: received {value!r}; expected {expected} "
+                    f"({source}). {hint}")
+
+
+def _checkpointing_task(strategy: Any) -> bool:
+  return bool(strategy.extended.should_checkpoint)  # TensorFlow's own rule.
+
+
+_host: list[Host] = [Host(refusal=_value_error, is_chief=_checkpointing_task)]
 
 _MARK = "__tfdist_keras_compat__"
 _lock = threading.Lock()
@@ -107,34 +162,56 @@ def _keras_version_string() -> str:
   return keras.__version__
 
 
-def keras_version() -> tuple[int, ...]:
-  """The installed Keras version as integers, e.g. ``(3, 15, 1)``."""
-  import keras  # pylint: disable=g-import-not-at-top
-  return _parse(keras.__version__)
+def _resolve(target: str) -> tuple[Any, str]:
+  """``"pkg.mod:Cls.attr"`` -> ``(pkg.mod.Cls, "attr")``."""
+  module, qualname = target.split(":")
+  *path, attr = qualname.split(".")
+  owner = importlib.import_module(module)
+  for part in path:
+    owner = getattr(owner, part)
+  return owner, attr
 
 
-def _parse(version: str) -> tuple[int, ...]:
-  """``"3.16.0rc1"`` -> ``(3, 16, 0)``: the leading numeric release."""
-  match = re.match(r"\d+(?:\.\d+)*", version.strip())
-  return tuple(int(p) for p in match.group(0).split(".")) if match else ()
+def fingerprint(target: str) -> str | None:
+  """A hash of the upstream source of ``target`` (``module:qualname``).
+
+  Keras's own function is read even where a correction replaced it. The
+  first 16 hex digits of the SHA-256 of its dedented source text; ``None``
+  when there is no such function or its source cannot be read.
+  """
+  try:
+    owner, attr = _resolve(target)
+    function = _originals.get((owner, attr), getattr(owner, attr))
+    source = textwrap.dedent(inspect.getsource(function))
+  except (ImportError, AttributeError, OSError, TypeError):
+    return None
+  return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-def needed_fixes(version: str | None = None) -> tuple[Fix, ...]:
-  """The corrections the given (by default the installed) Keras version needs.
+def changed_targets(fix: Fix) -> tuple[str, ...]:
+  """The functions of ``fix`` whose code differs from the code verified."""
+  return tuple(t for t, want in fix.verified.items()
+               if (fingerprint(t) != want if want is not None
+                   else _resolve_or_none(t) is None))
+
+
+def _resolve_or_none(target: str) -> Any:
+  try:
+    return getattr(*_resolve(target))
+  except (ImportError, AttributeError):
+    return None
+
+
+def needed_fixes(fixes: Iterable[Fix] = FIXES) -> tuple[Fix, ...]:
+  """The corrections whose upstream code is in the installed Keras.
 
   Args:
-    version: a Keras version string; the installed one when omitted.
+    fixes: the candidates; every correction this module knows by default.
 
   Returns:
-    The `Fix` records that apply: none outside `TESTED_RANGE`, and none whose
-    ``fixed_in`` is at or below the version.
+    Those whose every verified function has its verified fingerprint.
   """
-  have = _parse(version) if version is not None else keras_version()
-  low, high = (_parse(v) for v in TESTED_RANGE)
-  if not low <= have < high:
-    return ()
-  return tuple(f for f in FIXES
-               if f.fixed_in is None or have < _parse(f.fixed_in))
+  return tuple(f for f in fixes if not changed_targets(f))
 
 
 def applied_fixes() -> tuple[str, ...]:
@@ -146,48 +223,37 @@ def applied_fixes() -> tuple[str, ...]:
 _applied_names: set[str] = set()
 
 
-def _value_error(*, field: str, value: Any, expected: str, source: str,
-                 hint: str) -> Exception:
-  return ValueError(f"{field}: received {value!r}; expected {expected} "
-                    f"({source}). {hint}")
-
-
-# Builds the error for a setting Keras cannot run under a strategy. This floor
-# imports nothing from tfdist, so the floor that owns tfdist's errors hands
-# its class to `apply` (`tfdist.make_strategy` passes `ConfigError`).
-_refusal: list[Callable[..., Exception]] = [_value_error]
-
-
 def apply(names: Iterable[str] | None = None, *,
-          refusal: Callable[..., Exception] | None = None) -> tuple[str, ...]:
+          host: Host | None = None) -> tuple[str, ...]:
   """Installs the corrections the installed Keras needs; idempotent.
 
-  Safe to call many times and from several threads. Outside `TESTED_RANGE` it
-  logs once and changes nothing.
+  Safe to call many times and from several threads. A correction whose
+  upstream code changed is not installed, and the change is logged once.
 
   Args:
     names: install only these of the needed corrections (tests use it to show
       each upstream bug on its own); all of them by default.
-    refusal: builds the error raised for a setting that cannot run, called
-      with the keywords ``field``, ``value``, ``expected``, ``source`` and
-      ``hint`` (`tfdist.ConfigError` fits); a ``ValueError`` by default.
+    host: what tfdist's upper floors provide (`Host`); kept for later calls.
+      Without one, errors are ``ValueError`` and the chief is the task
+      TensorFlow checkpoints on.
 
   Returns:
     The names of the corrections in place after the call.
   """
-  if refusal is not None:
-    _refusal[0] = refusal
-  fixes = needed_fixes()
-  if not fixes:
-    _warn_untested_once()
-    return applied_fixes()
+  if host is not None:
+    _host[0] = host
   wanted = set(names) if names is not None else {f.name for f in FIXES}
   with _lock:
-    for fix in fixes:
-      if fix.name in wanted:
-        for owner, attr, make in _INSTALLS[fix.name]():
-          _install(owner, attr, make)
-        _applied_names.add(fix.name)
+    for fix in FIXES:
+      if fix.name not in wanted or fix.name in _applied_names:
+        continue
+      changed = changed_targets(fix)
+      if changed:
+        _warn_changed_once(fix.name, changed)
+        continue
+      for owner, attr, make in _INSTALLS[fix.name]():
+        _install(owner, attr, make)
+      _applied_names.add(fix.name)
   return applied_fixes()
 
 
@@ -201,12 +267,13 @@ def restore() -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_untested_once() -> None:
-  import keras  # pylint: disable=g-import-not-at-top
+def _warn_changed_once(name: str, changed: tuple[str, ...]) -> None:
   logging.warning(
-      "tfdist: Keras %s is outside the versions its Keras corrections were "
-      "tested on (%s <= version < %s); none applied. Keras fit may fail under "
-      "MultiWorkerMirroredStrategy.", keras.__version__, *TESTED_RANGE)
+      "tfdist: Keras %s changed %s since the code tfdist's correction %r was "
+      "verified on (Keras %s); the correction is not applied, and what it "
+      "corrects may fail (see tfdist/_compat/keras.py). tfdist's tests tell "
+      "whether it is still needed.", _keras_version_string(),
+      ", ".join(changed), name, ", ".join(VERIFIED_VERSIONS))
 
 
 def _install(owner: Any, attr: str,
@@ -296,7 +363,7 @@ def _reduce_per_replica(original):
 #   the per-replica step (as tf_keras did) fails the same way, because the
 #   optimizer's cross-replica update runs inside it. So the step is built
 #   without XLA only when asked (`jit_compile="auto"` decides so under a
-#   strategy); an explicit `jit_compile=True` is refused (`_refusal`).
+#   strategy); an explicit `jit_compile=True` is refused (`Host.refusal`).
 def _own_loop_needed(model: Any) -> bool:
   strategy = model._distribute_strategy  # pylint: disable=protected-access
   if strategy is None or model.run_eagerly:
@@ -333,7 +400,7 @@ def _make_distributed_function(model: Any, step_function: Callable[..., Any]
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     kind = ("MultiWorkerMirroredStrategy" if multi_worker
             else type(strategy).__name__)
-    raise _refusal[0](
+    raise _host[0].refusal(
         field="jit_compile", value=True, source="Model.compile",
         expected=(f"False or 'auto' under {kind} with "
                   f"{strategy.num_replicas_in_sync} replicas: XLA cannot "
@@ -489,6 +556,28 @@ def _lazy_layer_build(original):
   return functools.wraps(original)(wrapper)
 
 
+# --- chief_aware_callbacks -----------------------------------------------------
+# Keras 3 dropped tf_keras's chief-aware file writing: under
+# MultiWorkerMirroredStrategy every worker runs `fit`, and ModelCheckpoint,
+# BackupAndRestore, TensorBoard and CSVLogger write the same paths on every
+# worker. For the length of one `fit`, `keras_callbacks.one_writer` points the
+# other workers at a temporary directory and stages the chief's checkpoints.
+def _fit(original):
+  signature = inspect.signature(original)
+
+  def wrapper(self, *args, **kwargs):
+    strategy = self._distribute_strategy  # pylint: disable=protected-access
+    callbacks = signature.bind(self, *args, **kwargs).arguments.get(
+        "callbacks")
+    if strategy is None or not callbacks:
+      return original(self, *args, **kwargs)
+    with keras_callbacks.one_writer(
+        getattr(callbacks, "callbacks", callbacks),  # A CallbackList, too.
+        chief=_host[0].is_chief(strategy)):
+      return original(self, *args, **kwargs)
+  return functools.wraps(original)(wrapper)
+
+
 def _layer_class():
   from keras.src.layers import layer  # pylint: disable=g-import-not-at-top
   return layer.Layer
@@ -517,4 +606,6 @@ _INSTALLS: dict[str, Callable[[], list[tuple[Any, str, Callable]]]] = {
     "lazy_optimizer_build": lambda: [
         (_optimizer_class(), "apply", _lazy_apply),
         (_layer_class(), "_maybe_build", _lazy_layer_build)],
+    "chief_aware_callbacks": lambda: [
+        (_trainer().TensorFlowTrainer, "fit", _fit)],
 }

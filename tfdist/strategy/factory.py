@@ -283,8 +283,10 @@ def make_strategy(name: str = "auto", *,
     ...   model = build_model()
   """
   # Every strategy tfdist builds runs Keras 3's trainer with its corrections;
-  # what cannot be corrected is refused with a ConfigError.
-  keras_compat.apply(refusal=ConfigError)
+  # what cannot be corrected is refused with a ConfigError, and Keras's
+  # writing callbacks write from the chief that tfdist's one rule names.
+  keras_compat.apply(host=keras_compat.Host(refusal=ConfigError,
+                                            is_chief=introspect.is_chief))
   # From here until training watches signals, nothing can be saved: SIGTERM
   # and SIGUSR1 exit 42 at once, saying so.
   startup_lib.install_stop_handlers()

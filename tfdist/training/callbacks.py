@@ -1,9 +1,12 @@
 """Chief-aware Keras callbacks and exports: one writer per path.
 
-Keras 3's ``ModelCheckpoint`` and ``TensorBoard`` do not know the chief from a
-worker: every worker writes the same path. `chief_aware` points each one at
-the real path on the chief and at a temporary directory elsewhere, removed
-afterwards. `save_model` exports the same way, atomically.
+Keras 3's ``ModelCheckpoint``, ``BackupAndRestore``, ``TensorBoard`` and
+``CSVLogger`` do not know the chief from a worker: every worker writes the
+same path. `chief_aware` points each one at the real path on the chief (its
+checkpoints renamed into place whole) and at a temporary directory elsewhere,
+removed afterwards (`tfdist._compat.keras_callbacks`, which plain
+``model.fit`` under a tfdist strategy also goes through). `save_model`
+exports the same way, atomically.
 """
 
 from __future__ import annotations
@@ -17,19 +20,13 @@ from typing import Iterator, Sequence
 import keras
 import tensorflow as tf
 
+from tfdist._compat import keras_callbacks
 from tfdist.errors import ConfigError
 from tfdist.strategy import introspect
 from tfdist.training import checkpoints as checkpoints_lib
 from tfdist.training import chief as chief_lib
 
 __all__ = ["chief_aware", "save_model"]
-
-# Callback class -> the attribute holding the path it writes.
-_WRITERS = {
-    keras.callbacks.ModelCheckpoint: "filepath",
-    keras.callbacks.TensorBoard: "log_dir",
-    keras.callbacks.CSVLogger: "filename",
-}
 
 
 @contextlib.contextmanager
@@ -43,8 +40,8 @@ def chief_aware(callbacks: Sequence[keras.callbacks.Callback] | None,
 
   Raises:
     ConfigError: a Keras ``BackupAndRestore`` is given: it resumes only at
-      epoch boundaries and every worker writes its directory; use
-      ``tfdist.fit(backup_dir=...)``.
+      epoch boundaries; use ``tfdist.fit(backup_dir=...)``, which resumes
+      inside an epoch (plain ``model.fit`` takes Keras's, chief-aware).
   """
   callbacks = list(callbacks or ())
   for cb in callbacks:
@@ -54,24 +51,9 @@ def chief_aware(callbacks: Sequence[keras.callbacks.Callback] | None,
           expected="no keras.callbacks.BackupAndRestore",
           hint="Pass backup_dir= to tfdist.fit: it resumes inside an epoch, "
                "applies no step twice and only the chief writes")
-  writers = [cb for cb in callbacks if isinstance(cb, tuple(_WRITERS))]
-  if not writers or introspect.is_chief(strategy):
+  with keras_callbacks.one_writer(callbacks,
+                                  chief=introspect.is_chief(strategy)):
     yield callbacks
-    return
-  originals = []
-  with chief_lib.write_dir("", strategy) as tmp:
-    try:
-      for i, cb in enumerate(callbacks):
-        for cls, attr in _WRITERS.items():
-          if isinstance(cb, cls):
-            path = getattr(cb, attr)
-            originals.append((cb, attr, path))
-            setattr(cb, attr, os.path.join(tmp, f"{i}", os.path.basename(
-                os.fspath(path).rstrip("/")) or "out"))
-      yield callbacks
-    finally:
-      for cb, attr, path in originals:
-        setattr(cb, attr, path)
 
 
 def save_model(model: keras.Model, path: str,

@@ -1,0 +1,183 @@
+"""Keras's own writing callbacks in plain `model.fit` under tfdist strategies.
+
+ModelCheckpoint, BackupAndRestore, TensorBoard and CSVLogger are created as a
+Keras user writes them, with the same paths on every worker. Under a tfdist
+strategy only the chief writes those paths, its checkpoints renamed into
+place whole; other workers write temporary directories that are removed
+(`tfdist._compat.keras_callbacks`). MultiWorkerMirroredStrategy runs as 2
+real processes (tests/scripts/keras_fit.py); Mirrored runs in this process.
+"""
+
+import glob
+import json
+import os
+import shutil
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import keras
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist._compat import keras as keras_compat
+import cluster_utils
+
+DEVICES = ["/cpu:0", "/cpu:1"]
+# The Keras corrections MultiWorkerMirroredStrategy needs besides this one.
+_OTHER_FIXES = "symbolic_build_reduce,multi_worker_scalar_mean"
+
+
+def _event_pids(log_dir: str) -> set[int]:
+  """PIDs of the processes that wrote TensorBoard event files under log_dir."""
+  pids = set()
+  for path in glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"),
+                        recursive=True):
+    # events.out.tfevents.<time>.<host>.<pid>.<n>.v2
+    pids.add(int(os.path.basename(path).split(".")[-3]))
+  return pids
+
+
+def _tempdir(test: absltest.TestCase) -> str:
+  path = tempfile.mkdtemp(prefix="tfdist-test-")
+  test.addCleanup(shutil.rmtree, path, True)
+  return path
+
+
+def _tree(root: str) -> list[str]:
+  return sorted(os.path.relpath(os.path.join(d, f), root)
+                for d, _, files in os.walk(root) for f in files)
+
+
+@pytest.mark.timeout(120)
+class ChiefInProcessTest(parameterized.TestCase):
+  """One process, 2 replicas: the chief's files land whole, nothing else."""
+
+  def setUp(self):
+    super().setUp()
+    keras_compat.apply()
+    self.root = _tempdir(self)
+
+  def _fit(self, callbacks, epochs=2):
+    strategy = tfdist.make_strategy("mirrored", devices=DEVICES)
+    with strategy.scope():
+      keras.utils.set_random_seed(0)
+      model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+      model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((32, 4), np.float32)
+    model.fit(x, np.zeros((32, 2), np.float32), batch_size=8, epochs=epochs,
+              verbose=0, callbacks=callbacks)
+    return model
+
+  def test_checkpoints_land_in_place_and_staging_is_gone(self):
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(self.root, "ckpt", "e{epoch}.weights.h5"),
+            save_weights_only=True),
+        keras.callbacks.BackupAndRestore(os.path.join(self.root, "backup"),
+                                         delete_checkpoint=False,
+                                         double_checkpoint=True),
+    ]
+    self._fit(callbacks)
+    self.assertEqual(_tree(self.root), [
+        "backup/latest.weights.h5", "backup/latest.weights.h5.bkp",
+        "backup/training_metadata.json", "backup/training_metadata.json.bkp",
+        "ckpt/e1.weights.h5", "ckpt/e2.weights.h5"])
+    with open(os.path.join(self.root, "backup", "training_metadata.json")) as f:
+      self.assertEqual(json.load(f)["epoch"], 2)
+    with open(os.path.join(self.root, "backup",
+                           "training_metadata.json.bkp")) as f:
+      self.assertEqual(json.load(f)["epoch"], 1)
+    # The callbacks have their own paths back, and nothing is left marked.
+    self.assertEqual(callbacks[0].filepath,
+                     os.path.join(self.root, "ckpt", "e{epoch}.weights.h5"))
+    self.assertEqual(callbacks[1].backup_dir,
+                     os.path.join(self.root, "backup"))
+    for cb in callbacks:
+      self.assertNotIn("on_epoch_end", vars(cb))
+      self.assertFalse(hasattr(cb, "_tfdist_one_writer"))
+
+  def test_backup_resumes_at_the_saved_epoch(self):
+    backup = os.path.join(self.root, "backup")
+    self._fit([keras.callbacks.BackupAndRestore(backup,
+                                                delete_checkpoint=False)],
+              epochs=2)
+    history = self._fit([keras.callbacks.BackupAndRestore(backup)],
+                        epochs=3).history.history
+    self.assertLen(history["loss"], 1)  # Epochs 1 and 2 were restored.
+    self.assertFalse(os.path.exists(backup))  # delete_checkpoint, by the chief.
+
+  def test_a_failing_fit_leaves_no_staging_directory(self):
+    class Boom(keras.callbacks.Callback):
+
+      def on_epoch_end(self, epoch, logs=None):
+        raise RuntimeError("boom")
+
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        os.path.join(self.root, "m.keras"))
+    with self.assertRaisesRegex(RuntimeError, "boom"):
+      self._fit([checkpoint, Boom()])
+    # ModelCheckpoint ran before Boom: its file is in place, staging removed.
+    self.assertEqual(_tree(self.root), ["m.keras"])
+    self.assertEqual(checkpoint.filepath, os.path.join(self.root, "m.keras"))
+
+
+@pytest.mark.timeout(400)
+class MultiWorkerCallbacksTest(absltest.TestCase):
+  """2 worker processes, every callback on one shared path."""
+
+  def _run(self, root, *args):
+    tmp = tempfile.mkdtemp(dir=root, prefix="tmp-")
+    results = cluster_utils.run_cluster(
+        "keras_fit.py", cluster_utils.worker_configs(2),
+        args=("--write_dir", os.path.join(root, "out"), "--steps", "3", *args),
+        env={"TMPDIR": tmp}, timeout=180)
+    outs = [r.json() for r in results]
+    return outs, results, tmp
+
+  def test_only_the_chief_writes_and_workers_clean_up(self):
+    root = _tempdir(self)
+    outs, results, tmp = self._run(root, "--epochs", "2")
+    for out, result in zip(outs, results):
+      self.assertTrue(out["ok"], f"{out}\n{cluster_utils.tail(result.stderr)}")
+      self.assertIn("chief_aware_callbacks", out["applied"])
+    out_dir = os.path.join(root, "out")
+    files = _tree(out_dir)
+    for expected in ("backup/latest.weights.h5", "backup/latest.weights.h5.bkp",
+                     "backup/training_metadata.json", "best.keras",
+                     "ckpt/epoch-1.weights.h5", "ckpt/epoch-2.weights.h5",
+                     "log.csv"):
+      self.assertIn(expected, files)
+    self.assertEmpty([f for f in files if ".tfdist-staging-" in f])
+    # TensorBoard: only worker 0 (the chief) wrote event files.
+    self.assertEqual(_event_pids(os.path.join(out_dir, "tb")), {outs[0]["pid"]})
+    with open(os.path.join(out_dir, "log.csv")) as f:
+      self.assertLen(f.read().splitlines(), 3)  # Header + 2 epochs, once.
+    # Worker 1's temporary directories are gone.
+    self.assertEqual(os.listdir(tmp), [])
+    # Resume: both workers restore the chief's epoch 2 and train epoch 3.
+    outs, results, _ = self._run(root, "--epochs", "3")
+    for out, result in zip(outs, results):
+      self.assertTrue(out["ok"], f"{out}\n{cluster_utils.tail(result.stderr)}")
+      self.assertLen(out["history"]["loss"], 1)
+    self.assertEqual(outs[0]["checksum"], outs[1]["checksum"])
+    with open(os.path.join(out_dir, "backup", "training_metadata.json")) as f:
+      self.assertEqual(json.load(f)["epoch"], 3)
+
+  def test_upstream_every_worker_writes(self):
+    # Keras without the correction: both workers write the one TensorBoard
+    # directory (here, too, worker 0 then died on the shared HDF5 file:
+    # "unable to lock file", and worker 1 lost its peer). Fails once
+    # upstream writes from the chief only.
+    root = _tempdir(self)
+    outs, _, _ = self._run(root, "--epochs", "1", "--upstream", "--fixes",
+                           _OTHER_FIXES)
+    self.assertEqual(_event_pids(os.path.join(root, "out", "tb")),
+                     {out["pid"] for out in outs},
+                     f"upstream Keras {keras.__version__} no longer writes "
+                     f"from every worker: drop chief_aware_callbacks? {outs}")
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,248 @@
+"""Keras's own writing callbacks under several workers: one writer per path.
+
+Keras 3's ``ModelCheckpoint``, ``BackupAndRestore``, ``TensorBoard`` and
+``CSVLogger`` know nothing of the chief: under MultiWorkerMirroredStrategy
+every worker runs ``fit`` and its callbacks, so every worker writes the same
+files (two HDF5 writers on one file fail to lock it; a reader can meet a
+half-written checkpoint). tf_keras pointed non-chief workers elsewhere; Keras 3
+does not (tensorflow/tensorflow#38635 is the race). For the length of one
+``fit``, `one_writer` points each callback:
+
+| callback           | the chief                                          | every other worker |
+|--------------------|----------------------------------------------------|--------------------|
+| ``ModelCheckpoint``  | writes each file in a staging directory beside its target, then renames it onto the target | a temporary directory |
+| ``BackupAndRestore`` | restores from ``backup_dir``; each save staged, then renamed into place | restores from ``backup_dir`` too (the chief's state), saves into a temporary directory, never deletes ``backup_dir`` |
+| ``TensorBoard``, ``CSVLogger`` | the real path (appended as training goes) | a temporary directory |
+
+A rename onto the target is atomic on one filesystem, so a reader (the next
+run's restore, an evaluator) never sees a half-written file. URLs such as
+``gs://`` are written as Keras writes them on the chief. The temporary
+directories are created by `one_writer` and removed when ``fit`` ends, even on
+error, and every callback gets its own paths back.
+
+`tfdist._compat.keras` applies it to every ``model.fit`` under a strategy;
+``tfdist.fit`` and `tfdist.training.chief_aware` call it directly. A callback
+already inside a `one_writer` is left to the outer one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+__all__ = ["VERIFIED", "one_writer"]
+
+_MODULE = "keras.src.callbacks.backup_and_restore:BackupAndRestore"
+
+#: The BackupAndRestore code the redirection relies on (the private paths
+#: ``__init__`` derives from ``backup_dir``, and the methods that read and
+#: write them), as `tfdist._compat.keras.fingerprint` hashes it.
+VERIFIED: Mapping[str, str] = {
+    f"{_MODULE}.__init__": "a0ede5494bb6441c",
+    f"{_MODULE}._load_model": "375ba5218fb8f210",
+    f"{_MODULE}._save_model": "94e4d072c55aef7b",
+}
+
+_STAGING = ".tfdist-staging-"
+_SCRATCH = "tfdist-keras-"
+_INSIDE = "_tfdist_one_writer"  # Set on callbacks while a one_writer holds them.
+_Scratch = Callable[[], str]
+
+
+@contextlib.contextmanager
+def one_writer(callbacks: Sequence[Any], *, chief: bool) -> Iterator[None]:
+  """Points Keras's writing callbacks as the table above says, for a block.
+
+  Args:
+    callbacks: Keras callbacks; other callbacks are left alone.
+    chief: whether this process is the one that writes the real paths.
+
+  Yields:
+    Nothing; the callbacks are changed in place and restored afterwards.
+  """
+  import keras  # pylint: disable=g-import-not-at-top
+  pointers: list[tuple[type, Callable[..., Any]]] = [
+      (keras.callbacks.BackupAndRestore, _backup_and_restore),
+      (keras.callbacks.ModelCheckpoint, _model_checkpoint),
+      (keras.callbacks.TensorBoard, _stream("log_dir")),
+      (keras.callbacks.CSVLogger, _stream("filename")),
+  ]
+  with contextlib.ExitStack() as stack:
+    scratch: list[str] = []
+
+    def scratch_dir(index: int) -> str:
+      if not scratch:
+        scratch.append(tempfile.mkdtemp(prefix=f"{_SCRATCH}{os.getpid()}-"))
+        stack.callback(shutil.rmtree, scratch[0], True)
+      path = os.path.join(scratch[0], str(index))
+      os.makedirs(path, exist_ok=True)
+      return path
+
+    for index, callback in enumerate(callbacks):
+      if getattr(callback, _INSIDE, False):
+        continue
+      for cls, point in pointers:
+        if isinstance(callback, cls):
+          stack.enter_context(_held(callback))
+          stack.enter_context(point(
+              callback, chief=chief,
+              scratch=lambda index=index: scratch_dir(index)))
+          break
+    yield
+
+
+@contextlib.contextmanager
+def _held(callback: Any) -> Iterator[None]:
+  setattr(callback, _INSIDE, True)
+  try:
+    yield
+  finally:
+    delattr(callback, _INSIDE)
+
+
+def _name(path: Any) -> str:
+  return os.path.basename(os.fspath(path).rstrip("/")) or "out"
+
+
+def _stream(attr: str) -> Callable[..., Any]:
+  """Logs appended as training goes: the chief writes the real path."""
+  @contextlib.contextmanager
+  def point(callback: Any, *, chief: bool, scratch: _Scratch) -> Iterator[None]:
+    if chief:
+      yield
+      return
+    real = getattr(callback, attr)
+    setattr(callback, attr, os.path.join(scratch(), _name(real)))
+    try:
+      yield
+    finally:
+      setattr(callback, attr, real)
+  return point
+
+
+@contextlib.contextmanager
+def _after(callback: Any, events: Sequence[str],
+           then: Callable[[], None]) -> Iterator[None]:
+  """Runs ``then`` after each of the callback's ``events``, for a block."""
+  own = {event: callback.__dict__.get(event) for event in events}
+  for event in events:
+    method = getattr(callback, event)
+
+    def wrapped(*args, _method=method, **kwargs):
+      result = _method(*args, **kwargs)
+      then()
+      return result
+    setattr(callback, event, wrapped)
+  try:
+    yield
+  finally:
+    for event, before in own.items():
+      if before is None:
+        delattr(callback, event)
+      else:
+        setattr(callback, event, before)
+
+
+@contextlib.contextmanager
+def _model_checkpoint(callback: Any, *, chief: bool,
+                      scratch: _Scratch) -> Iterator[None]:
+  real = callback.filepath
+  if not chief:
+    callback.filepath = os.path.join(scratch(), _name(real))
+  elif "://" not in os.fspath(real):
+    target = os.path.dirname(os.path.abspath(os.fspath(real)))
+    # Keras creates the staging directory at its first save.
+    staging = os.path.join(target, f"{_STAGING}{os.getpid()}")
+    callback.filepath = os.path.join(staging, _name(real))
+    publish = lambda: _publish_all(staging, target)
+    try:
+      with _after(callback, ("on_epoch_end", "on_train_batch_end"), publish):
+        yield
+    finally:
+      callback.filepath = real
+      shutil.rmtree(staging, ignore_errors=True)
+    return
+  try:
+    yield
+  finally:
+    callback.filepath = real
+
+
+def _publish_all(staging: str, target: str) -> None:
+  """Renames every file staged onto its place in ``target``."""
+  if not os.path.isdir(staging):
+    return
+  for name in os.listdir(staging):
+    os.replace(os.path.join(staging, name), os.path.join(target, name))
+
+
+def _point_backup(callback: Any, directory: str) -> None:
+  """Sets the paths BackupAndRestore derives from ``backup_dir``, as its
+  ``__init__`` does."""
+  from keras.src.utils import file_utils  # pylint: disable=g-import-not-at-top
+  callback.backup_dir = directory
+  callback._weights_path = file_utils.join(directory, "latest.weights.h5")  # pylint: disable=protected-access
+  callback._training_metadata_path = file_utils.join(  # pylint: disable=protected-access
+      directory, "training_metadata.json")
+  callback._prev_weights_path = f"{callback._weights_path}.bkp"  # pylint: disable=protected-access
+  callback._prev_training_metadata_path = (  # pylint: disable=protected-access
+      f"{callback._training_metadata_path}.bkp")  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def _backup_and_restore(callback: Any, *, chief: bool,
+                        scratch: _Scratch) -> Iterator[None]:
+  real = callback.backup_dir
+  if not chief:
+    # Restore what the chief saved, then save where nobody reads.
+    then = lambda: _point_backup(callback, scratch())
+    try:
+      with _after(callback, ("on_train_begin",), then):
+        yield
+    finally:
+      _point_backup(callback, real)
+    return
+  if "://" in os.fspath(real):
+    yield
+    return
+  save = callback._save_model  # pylint: disable=protected-access
+  callback._save_model = lambda: _staged_save(callback, save, real)  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    del callback._save_model  # pylint: disable=protected-access
+
+
+def _staged_save(callback: Any, save: Callable[[], None], real: str) -> None:
+  """Keras's save into a staging directory, then renamed into place.
+
+  With ``double_checkpoint`` the files in place are first copied to their
+  ``.bkp`` names (a copy, then a rename: the current files never go
+  missing). Weights go in before the metadata naming their epoch, so a crash
+  between the two repeats an epoch rather than skipping one (Keras's
+  BackupAndRestore resumes at epoch boundaries, at least once).
+  """
+  os.makedirs(real, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=_STAGING, dir=real)
+  try:
+    _point_backup(callback, staging)
+    try:
+      save()
+    finally:
+      _point_backup(callback, real)
+    pairs = [(callback._weights_path, callback._prev_weights_path),  # pylint: disable=protected-access
+             (callback._training_metadata_path,  # pylint: disable=protected-access
+              callback._prev_training_metadata_path)]  # pylint: disable=protected-access
+    if callback.double_checkpoint:
+      for current, previous in pairs:
+        if os.path.exists(current):
+          copy = os.path.join(staging, os.path.basename(previous))
+          shutil.copyfile(current, copy)
+          os.replace(copy, previous)
+    for current, _ in pairs:
+      os.replace(os.path.join(staging, os.path.basename(current)), current)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
