@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import os
 import re
+import subprocess
+import sys
 
 from absl.testing import absltest
 
@@ -52,6 +54,25 @@ class DocsTest(absltest.TestCase):
               cited.append(os.path.relpath(path, ROOT))
     self.assertEqual(cited, [])
 
+
+
+class ReadmeCellTest(absltest.TestCase):
+
+  def test_the_colab_tpu_cell_runs_on_cpu(self):
+    with open(os.path.join(ROOT, "README.md")) as f:
+      text = f.read()
+    cell = re.search(r"<!-- colab-tpu-cell -->\n```python\n(.*?)```", text,
+                     re.S)
+    self.assertIsNotNone(cell, "README.md lost its Colab TPU cell")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
+    env.pop("TF_CONFIG", None)
+    done = subprocess.run([sys.executable, "-c", cell.group(1)], cwd=ROOT,
+                          env=env, capture_output=True, text=True,
+                          timeout=180, check=False)
+    self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+    self.assertIn("_DefaultDistributionStrategy with 1 replicas", done.stdout)
+    self.assertRegex(done.stdout, re.compile(r"Epoch 2/2.*32/32.*accuracy: ",
+                                             re.S))
 
 
 class LicenseTest(absltest.TestCase):

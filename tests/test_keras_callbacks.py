@@ -138,10 +138,13 @@ class MultiWorkerCallbacksTest(absltest.TestCase):
 
   def test_only_the_chief_writes_and_workers_clean_up(self):
     root = _tempdir(self)
-    outs, results, tmp = self._run(root, "--epochs", "2")
+    outs, results, tmp = self._run(root, "--epochs", "2", "--verbose", "auto")
     for out, result in zip(outs, results):
       self.assertTrue(out["ok"], f"{out}\n{cluster_utils.tail(result.stderr)}")
       self.assertIn("chief_aware_callbacks", out["applied"])
+    # verbose="auto": one progress bar, the chief's.
+    self.assertIn("Epoch 2/2", results[0].stdout)
+    self.assertNotIn("Epoch", results[1].stdout)
     out_dir = os.path.join(root, "out")
     files = _tree(out_dir)
     for expected in ("backup/latest.weights.h5", "backup/latest.weights.h5.bkp",

@@ -25,8 +25,9 @@ TASK = os.path.join(cluster_utils.SCRIPTS, "launch_task.py")
 LAUNCH = [sys.executable, "-m", "tfdist", "launch"]
 
 
-def _launch(*args, timeout=120):
-  return subprocess.run(LAUNCH + list(args), env=cluster_utils.base_env(),
+def _launch(*args, timeout=120, env=None):
+  return subprocess.run(LAUNCH + list(args),
+                        env=cluster_utils.base_env() if env is None else env,
                         capture_output=True, text=True, timeout=timeout,
                         cwd=cluster_utils.REPO)
 
@@ -153,6 +154,24 @@ class LaunchTest(parameterized.TestCase):
     self.assertTrue(bars[0].startswith("[worker:0] 4/4 "), bars[0])
     self.assertEqual(bars[0].count("[worker:"), 1)
     self.assertIn("4/4", log)
+
+  def test_tensorflow_start_up_lines_stay_in_the_log_not_the_console(self):
+    # keras_bar imports TensorFlow; what TF_CPP_MIN_LOG_LEVEL cannot silence
+    # (written before TensorFlow's logging starts) stays out of the console.
+    env = cluster_utils.base_env()
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # As a user starts it.
+    with tempfile.TemporaryDirectory() as d:
+      r = _launch("--workers", "1", "--log-dir", d, "--", sys.executable,
+                  TASK, "keras_bar", env=env)
+      with open(os.path.join(d, "worker-0.log")) as f:
+        log = f.read()
+    self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+    console = r.stdout + r.stderr
+    for line in ("oneDNN custom operations are on",
+                 "All log messages before absl::InitializeLog()"):
+      self.assertIn(line, log)
+      self.assertNotIn(line, console)
+    self.assertIn("[worker:0] 4/4 ", console)
 
   def test_a_progress_bar_on_a_terminal_keeps_one_prefix_per_line(self):
     main, sub = pty.openpty()

@@ -6,7 +6,7 @@ change from the tutorial is that tfdist builds the strategy.
 
 Usage: keras_fit.py [--strategy NAME] [--upstream] [--steps_per_execution N]
   [--jit_compile] [--epochs N] [--steps N] [--global_batch B] [--seed S]
-  [--write_dir DIR]
+  [--write_dir DIR] [--verbose auto|0|1|2]
 
 ``--upstream`` builds the strategy with TensorFlow directly, so Keras runs
 without tfdist's corrections. ``--write_dir`` trains with Keras's own writing
@@ -33,6 +33,7 @@ parser.add_argument("--steps", type=int, default=4, help="steps per epoch")
 parser.add_argument("--global_batch", type=int, default=16)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--write_dir", default=None)
+parser.add_argument("--verbose", default="0", help="fit's verbose: auto, 0-2")
 args = parser.parse_args()
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
@@ -108,7 +109,8 @@ try:
   with strategy.scope():
     model = build_and_compile_cnn_model()
   callbacks = writing_callbacks(args.write_dir) if args.write_dir else None
-  history = model.fit(dataset, epochs=args.epochs, verbose=0,
+  verbose = args.verbose if args.verbose == "auto" else int(args.verbose)
+  history = model.fit(dataset, epochs=args.epochs, verbose=verbose,
                       callbacks=callbacks)
   weights = model.get_weights()
   result.update(

@@ -14,7 +14,7 @@ strategy, or with a strategy that already works, runs Keras's own code.
 | ``jit_compile_multi_replica`` | ``TensorFlowTrainer._make_function``          | (MultiWorker)Mirrored, ``jit_compile=True``: refused, see below |
 | ``atomic_assign_add``         | ``Variable.assign_add`` / ``assign_sub``      | ParameterServer: lost increments |
 | ``lazy_optimizer_build``      | ``BaseOptimizer.apply``                       | custom loops: optimizer built inside ``strategy.run`` on several replicas |
-| ``chief_aware_callbacks``     | ``TensorFlowTrainer.fit`` (its callbacks)     | every worker writes ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger paths (`keras_callbacks`) |
+| ``chief_aware_callbacks``     | ``TensorFlowTrainer.fit`` (its callbacks)     | every worker writes ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger paths (`keras_callbacks`) and draws the progress bar |
 
 **Which Keras gets them: decided at run time from the code, not the version.**
 Each correction records a fingerprint (`fingerprint`: a hash of the source
@@ -562,19 +562,24 @@ def _lazy_layer_build(original):
 # BackupAndRestore, TensorBoard and CSVLogger write the same paths on every
 # worker. For the length of one `fit`, `keras_callbacks.one_writer` points the
 # other workers at a temporary directory and stages the chief's checkpoints.
+# The progress bar is a callback too: with Keras's default ``verbose="auto"``
+# only the chief draws one (every worker's would show the same numbers).
 def _fit(original):
   signature = inspect.signature(original)
 
   def wrapper(self, *args, **kwargs):
     strategy = self._distribute_strategy  # pylint: disable=protected-access
-    callbacks = signature.bind(self, *args, **kwargs).arguments.get(
-        "callbacks")
-    if strategy is None or not callbacks:
+    if strategy is None:
       return original(self, *args, **kwargs)
+    bound = signature.bind(self, *args, **kwargs)
+    chief = _host[0].is_chief(strategy)
+    if not chief and bound.arguments.get("verbose", "auto") == "auto":
+      bound.arguments["verbose"] = 0
+    callbacks = bound.arguments.get("callbacks") or ()
     with keras_callbacks.one_writer(
         getattr(callbacks, "callbacks", callbacks),  # A CallbackList, too.
-        chief=_host[0].is_chief(strategy)):
-      return original(self, *args, **kwargs)
+        chief=chief):
+      return original(*bound.args, **bound.kwargs)
   return functools.wraps(original)(wrapper)
 
 

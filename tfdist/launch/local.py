@@ -93,11 +93,14 @@ _START_ERRORS = {errno.EMFILE: "num_workers", errno.ENFILE: "num_workers",
                  errno.EAGAIN: "num_workers", errno.ENOMEM: "num_workers"}
 _PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
 #: TensorFlow's start-up lines that TF_CPP_MIN_LOG_LEVEL does not silence
-#: (written before its logging starts): no GPU driver on a CPU machine.
+#: (written before its logging starts): no GPU driver on a CPU machine, and
+#: oneDNN's notice (TF_ENABLE_ONEDNN_OPTS=0 would silence it by changing the
+#: numerics, so the line is dropped instead).
 _NOISE = re.compile(
     r"All log messages before absl::InitializeLog\(\) is called are written "
     r"to STDERR|cudart_stub\.cc:\d+\] Could not find cuda drivers"
-    r"|cuda_platform\.cc:\d+\] failed call to cuInit")
+    r"|cuda_platform\.cc:\d+\] failed call to cuInit"
+    r"|port\.cc:\d+\] oneDNN custom operations are on")
 #: A terminal control sequence (colour, erase): kept for terminals only.
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
