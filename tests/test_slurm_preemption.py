@@ -17,18 +17,30 @@ the requeue (`slurm_harness.LocalSlurm.release_requeued`).
 * In a 2-element array only the signalled element is requeued, even the one
   whose SLURM_JOB_ID is the array's own id (which names every element).
 * Tasks that finish (exit 0) although USR1 came are not run again.
+
+In-process requeue (`tfdist.cluster.requeue`, ``requeue_from="task"``): USR1
+goes to the tasks (``scancel --signal=USR1``, what ``--signal=USR1@N``
+sends) and the chief task requeues the job itself: the same 2-task job saves,
+is requeued once by its chief and resumes; with a cap of 1 the second
+preemption ends the job with 42 and says why. The rule's decisions (job id,
+cap, enablement) are tables; scontrol's failure and time bound use a stand-in
+scontrol on PATH; the watcher's log lines (requeue off, not under SLURM,
+SIGINT) come from a `PreemptionWatcher` in this process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 from absl import logging
 from absl.testing import absltest
@@ -39,6 +51,7 @@ import cluster_utils
 import fault_runs
 import slurm_harness
 import tfdist
+from tfdist.cluster import requeue
 from tfdist.launch import sbatch as slurm_script
 
 pytestmark = pytest.mark.timeout(300)
@@ -46,6 +59,7 @@ pytestmark = pytest.mark.timeout(300)
 _REPO = cluster_utils.REPO
 _FAULT_JOB = os.path.join(cluster_utils.SCRIPTS, fault_runs.JOB)
 _PAYLOAD = os.path.join(cluster_utils.SCRIPTS, "slurm_payload.py")
+_REQUEUE_PAYLOAD = os.path.join(cluster_utils.SCRIPTS, "requeue_payload.py")
 _MWMS_TEMPLATE = os.path.join(
     _REPO, "cluster_configs",
     slurm_script.template_name("multi_worker_mirrored"))
@@ -62,6 +76,14 @@ def _tempdir(test: absltest.TestCase) -> str:
   directory = tempfile.mkdtemp(prefix="tfdist-slurm-preempt-")
   test.addCleanup(shutil.rmtree, directory, ignore_errors=True)
   return directory
+
+
+def _script(directory: str, spec: slurm_script.SbatchSpec) -> str:
+  """Writes ``render(spec)`` into ``directory``; returns the file's path."""
+  path = os.path.join(directory, f"{spec.job_name}.sbatch")
+  with open(path, "w") as f:
+    f.write(slurm_script.render(spec))
+  return path
 
 
 def _read(path: str) -> str:
@@ -138,6 +160,11 @@ class _Job:
     subprocess.run(["scancel", "--batch", "--signal=USR1", job or self.id],
                    env=self.env, check=True, timeout=30)
 
+  def signal_tasks(self, job: str | None = None) -> None:
+    """USR1 to the job's steps, not the batch shell, as ``--signal=USR1@N``."""
+    subprocess.run(["scancel", "--signal=USR1", job or self.id],
+                   env=self.env, check=True, timeout=30)
+
   def active(self) -> bool:
     proc = subprocess.run(["squeue", "-h", "-j", self.id, "-o", "%i %T"],
                           env=self.env, capture_output=True, text=True,
@@ -156,10 +183,19 @@ def _wait(test: absltest.TestCase, condition, timeout: float, what) -> None:
 
 class SlurmPreemptionTest(parameterized.TestCase):
 
+  _reference: dict | None = None
+
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
     cls.slurm = _SHARED.get()
+
+  def reference(self) -> dict:
+    """`fault_runs.reference`, run once for the class's tests."""
+    cls = type(self)
+    if cls._reference is None:
+      cls._reference = fault_runs.reference(_tempdir(self))
+    return cls._reference
 
   def assert_nothing_left(self, job: _Job, directory: str) -> None:
     """No job of the test in the queue, no process using its directory."""
@@ -168,14 +204,24 @@ class SlurmPreemptionTest(parameterized.TestCase):
                                  f"{directory} to end: "
                                  f"{_processes_mentioning(directory)}"))
 
+  @parameterized.named_parameters(("script", "script"), ("task", "task"))
   def test_multi_worker_mirrored_template_saves_requeues_once_and_resumes(
-      self):
+      self, requeue_from):
+    """The shipped template, or its preset with ``requeue_from="task"``.
+
+    script: USR1 to the batch shell, which requeues. task: USR1 to the tasks
+    (``--signal=USR1@N``), and the chief task requeues the job itself.
+    """
     directory = _tempdir(self)
     started = time.monotonic()
-    reference = fault_runs.reference(directory)
+    reference = self.reference()
     backup = os.path.join(directory, "backup")
+    script = _MWMS_TEMPLATE
+    if requeue_from == "task":
+      script = _script(directory, dataclasses.replace(
+          slurm_script.PRESETS["multi_worker_mirrored"], requeue_from="task"))
     job = _Job(
-        self, self.slurm, _MWMS_TEMPLATE,
+        self, self.slurm, script,
         # The toy cluster has no GPUs; one node holds both tasks.
         args=["--nodes=1", f"--nodelist={_HOST}", "--ntasks-per-node=2",
               "--gpus-per-node=0", "--cpus-per-task=1"],
@@ -211,7 +257,10 @@ class SlurmPreemptionTest(parameterized.TestCase):
     logging.info("reference run %.1f s, submit -> step 2 %.1f s",
                  submitted - started, time.monotonic() - submitted)
     self.assertEqual(state(), ("RUNNING", 0), context())
-    job.signal_batch_shell()
+    if requeue_from == "task":
+      job.signal_tasks()
+    else:
+      job.signal_batch_shell()
     signalled = time.monotonic()
 
     # The shell requeues: the job is pending again, held until BeginTime.
@@ -230,9 +279,25 @@ class SlurmPreemptionTest(parameterized.TestCase):
     self.assertEqual(
         (_field(record, "JobState"), _field(record, "Restarts"),
          _field(record, "ExitCode")), ("COMPLETED", "1", "0:0"), context())
-    self.assertEqual(text.count("tfdist: USR1 at "), 1, text)
-    self.assertEqual(text.count(f"tfdist: requeueing job {job.id}\n"), 1, text)
-    first, _, second = text.partition(f"tfdist: requeueing job {job.id}\n")
+    if requeue_from == "task":
+      # The shell got no USR1 and requeued nothing; the chief task did.
+      self.assertNotIn("tfdist: USR1 at ", text)
+      self.assertNotIn("tfdist: requeueing job", text)
+      self.assertNotIn("tfdist: not requeueing", text)
+      marker = re.search(
+          rf"(?m)^0: .*tfdist: requeued job {job.id} \(requeue 1\): it "
+          r"resumes from the checkpoint when SLURM starts it again$", text)
+      self.assertIsNotNone(marker, text)
+      self.assertEqual(text.count("tfdist: requeued job"), 1, text)
+    else:
+      self.assertEqual(text.count("tfdist: USR1 at "), 1, text)
+      self.assertEqual(text.count(f"tfdist: requeueing job {job.id}\n"), 1,
+                       text)
+      marker = re.search(f"tfdist: requeueing job {job.id}\n", text)
+    # The second run starts with the tasks' pid lines after the requeue.
+    cut = re.compile(r"(?m)^\d+: pid \d+$").search(text, marker.end())
+    self.assertIsNotNone(cut, text)
+    first, second = text[:cut.start()], text[cut.start():]
 
     # First run: both tasks saved at one step and exited 42.
     saved = {int(m.group(1)): (int(m.group(2)), int(m.group(3)))
@@ -244,9 +309,17 @@ class SlurmPreemptionTest(parameterized.TestCase):
     step, code = saved[0]
     self.assertEqual(code, tfdist.PREEMPTED_EXIT_CODE)
     self.assertBetween(step, 2, 17)
-    self.assertEqual(_task_outcomes(first), {
-        0: [f"Exited with exit code {tfdist.PREEMPTED_EXIT_CODE}"],
-        1: [f"Exited with exit code {tfdist.PREEMPTED_EXIT_CODE}"]}, first)
+    exited = f"Exited with exit code {tfdist.PREEMPTED_EXIT_CODE}"
+    if requeue_from == "task":
+      # SLURM ends the job it requeues: SIGTERM to every task (logged, but
+      # one already past Python's handlers ends by it), SIGKILL KillWait
+      # later. Whatever srun reports, the saves are done.
+      for outcome in _task_outcomes(first).values():
+        self.assertContainsSubset(outcome, [exited, "Terminated", "Killed"],
+                                  first)
+    else:
+      self.assertEqual(_task_outcomes(first), {0: [exited], 1: [exited]},
+                       first)
     for task in (0, 1):
       steps = [int(s) for s in re.findall(rf"(?m)^{task}: step (\d+)$",
                                           first)]
@@ -273,13 +346,11 @@ class SlurmPreemptionTest(parameterized.TestCase):
     names the element as ``ARRAYID_TASKID``.
     """
     directory = _tempdir(self)
-    script = os.path.join(directory, "array.sbatch")
-    with open(script, "w") as f:
-      f.write(slurm_script.render(slurm_script.SbatchSpec(
-          job_name="tfdist-array", nodes=1, tasks_per_node=1,
-          cpus_per_task=1, time="00:10:00", signal_seconds=60,
-          command=(sys.executable, _PAYLOAD, "--payload_mode=signal",
-                   "--payload_wait=15"))))
+    script = _script(directory, slurm_script.SbatchSpec(
+        job_name="tfdist-array", nodes=1, tasks_per_node=1,
+        cpus_per_task=1, time="00:10:00", signal_seconds=60,
+        command=(sys.executable, _PAYLOAD, "--payload_mode=signal",
+                 "--payload_wait=15")))
     job = _Job(self, self.slurm, script, args=["--array=0-1"],
                env={"PYTHONPATH": _REPO, "PYTHONUNBUFFERED": "1"},
                chdir=directory)
@@ -323,13 +394,11 @@ class SlurmPreemptionTest(parameterized.TestCase):
 
   def test_tasks_that_finish_after_usr1_are_not_requeued(self):
     directory = _tempdir(self)
-    script = os.path.join(directory, "done.sbatch")
-    with open(script, "w") as f:
-      f.write(slurm_script.render(slurm_script.SbatchSpec(
-          job_name="tfdist-done", nodes=1, tasks_per_node=1, cpus_per_task=1,
-          time="00:10:00", signal_seconds=60,
-          command=(sys.executable, _PAYLOAD, "--payload_mode=signal",
-                   "--payload_usr1_exit=0"))))
+    script = _script(directory, slurm_script.SbatchSpec(
+        job_name="tfdist-done", nodes=1, tasks_per_node=1, cpus_per_task=1,
+        time="00:10:00", signal_seconds=60,
+        command=(sys.executable, _PAYLOAD, "--payload_mode=signal",
+                 "--payload_usr1_exit=0")))
     job = _Job(self, self.slurm, script, args=[],
                env={"PYTHONPATH": _REPO, "PYTHONUNBUFFERED": "1"},
                chdir=directory)
@@ -349,13 +418,11 @@ class SlurmPreemptionTest(parameterized.TestCase):
 
   def test_the_requeue_cap_ends_a_preempted_run_with_42(self):
     directory = _tempdir(self)
-    script = os.path.join(directory, "capped.sbatch")
-    with open(script, "w") as f:
-      f.write(slurm_script.render(slurm_script.SbatchSpec(
-          job_name="tfdist-capped", nodes=1, tasks_per_node=1,
-          cpus_per_task=1, time="00:10:00", signal_seconds=60,
-          max_requeues=0, setup=("echo set-up ran",),
-          command=(sys.executable, _PAYLOAD, "--payload_mode=signal"))))
+    script = _script(directory, slurm_script.SbatchSpec(
+        job_name="tfdist-capped", nodes=1, tasks_per_node=1,
+        cpus_per_task=1, time="00:10:00", signal_seconds=60,
+        max_requeues=0, setup=("echo set-up ran",),
+        command=(sys.executable, _PAYLOAD, "--payload_mode=signal")))
     job = _Job(self, self.slurm, script, args=[],
                env={"PYTHONPATH": _REPO, "PYTHONUNBUFFERED": "1"},
                chdir=directory)
@@ -374,6 +441,304 @@ class SlurmPreemptionTest(parameterized.TestCase):
     self.assertIn("tfdist: not requeueing: 0 requeue(s) done (the cap)", text)
     self.assertNotIn("tfdist: requeueing", text)
     self.assert_nothing_left(job, directory)
+
+  @parameterized.named_parameters(("srun", True), ("no_srun", False))
+  def test_the_task_requeues_once_then_stops_at_the_cap_with_42(self, srun):
+    """requeue_from="task" with max_requeues=1, or a script without srun.
+
+    tests/scripts/requeue_payload.py does what a training task does after
+    its save (the chief calls `requeue.requeue_after_save`), without
+    TensorFlow. The first USR1 requeues the job from the chief; after the
+    second, at the cap, the chief says so and the job ends with 42. srun:
+    the rendered script, two tasks, USR1 to the tasks. no_srun: a plain
+    script that ``exec``s the program with ``--signal=B:USR1@N`` and the two
+    exports, USR1 to the batch shell, which is the program.
+    """
+    directory = _tempdir(self)
+    name = "tfdist-task-capped"
+    if srun:
+      script = _script(directory, slurm_script.SbatchSpec(
+          job_name=name, nodes=1, tasks_per_node=2, cpus_per_task=1,
+          time="00:10:00", signal_seconds=60, requeue_from="task",
+          max_requeues=1, command=(sys.executable, _REQUEUE_PAYLOAD)))
+    else:
+      script = os.path.join(directory, "no-srun.sbatch")
+      with open(script, "w") as f:
+        f.write("\n".join([
+            "#!/bin/bash", f"#SBATCH --job-name={name}", "#SBATCH --requeue",
+            "#SBATCH --output=%x-%j.out", "#SBATCH --open-mode=append",
+            "#SBATCH --signal=B:USR1@60", "#SBATCH --time=00:10:00",
+            f"export {requeue.REQUEUE_VARIABLE}=1 "
+            f"{requeue.MAX_REQUEUES_VARIABLE}=1",
+            f"exec {sys.executable} {_REQUEUE_PAYLOAD}", ""]))
+    job = _Job(self, self.slurm, script, args=[],
+               env={"PYTHONPATH": _REPO, "PYTHONUNBUFFERED": "1"},
+               chdir=directory)
+    output_path = os.path.join(directory, f"{name}-{job.id}.out")
+    tasks = 2 if srun else 1
+    preempt = job.signal_tasks if srun else job.signal_batch_shell
+
+    def state():
+      record = job.records()[0]
+      return _field(record, "JobState"), int(_field(record, "Restarts"))
+
+    def waiting(restart):
+      return _read(output_path).count(
+          f'"restart": {restart}, "waiting": true') == tasks
+
+    def context():
+      return f"{job.scontrol('show', 'job', job.id)}\n{_read(output_path)}"
+
+    _wait(self, lambda: waiting(0), 60, context)
+    preempt()
+    _wait(self, lambda: state() == ("PENDING", 1), 60, context)
+    self.slurm.release_requeued(job.id)
+    _wait(self, lambda: waiting(1), 60, context)
+    preempt()
+    _wait(self, lambda: not job.active(), 60, context)
+
+    record = job.records()[0]
+    text = _read(output_path)
+    self.assertEqual((_field(record, "JobState"), _field(record, "Restarts"),
+                      _field(record, "ExitCode")), ("FAILED", "1", "42:0"),
+                     text)
+    lines = [line for line in text.splitlines() if "requeu" in line
+             and "CANCELLED" not in line]  # slurmstepd's "DUE TO JOB REQUEUE".
+    self.assertEqual(lines, [
+        f"tfdist: requeued job {job.id} (requeue 1 of at most 1): it resumes "
+        "from the checkpoint when SLURM starts it again",
+        f"tfdist: not requeueing job {job.id}: 1 requeue(s) done, the cap "
+        f"({requeue.MAX_REQUEUES_VARIABLE}=1)"], text)
+    self.assert_nothing_left(job, directory)
+
+
+def _stand_in_scontrol(test: absltest.TestCase, body: str) -> tuple[str, str]:
+  """A directory holding an executable ``scontrol`` running ``body`` (sh),
+  and the file it may write; put the directory first on PATH."""
+  directory = _tempdir(test)
+  record = os.path.join(directory, "calls")
+  path = os.path.join(directory, "scontrol")
+  with open(path, "w") as f:
+    f.write(f"#!/bin/sh\n{body.format(record=record)}\n")
+  os.chmod(path, 0o755)
+  return directory, record
+
+
+_ON = {requeue.REQUEUE_VARIABLE: "1"}
+
+
+def _watcher():
+  """A `PreemptionWatcher` on the default strategy (imports TensorFlow)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.training import preemption  # pylint: disable=g-import-not-at-top
+  return preemption.PreemptionWatcher(tf.distribute.get_strategy())
+
+
+class RequeueRuleTest(parameterized.TestCase):
+  """The decisions of `tfdist.cluster.requeue`, one table each."""
+
+  @parameterized.named_parameters(
+      ("job", {"SLURM_JOB_ID": "12"}, "12"),
+      ("old_spelling", {"SLURM_JOBID": "12"}, "12"),
+      ("array_element", {"SLURM_JOB_ID": "14", "SLURM_ARRAY_JOB_ID": "12",
+                         "SLURM_ARRAY_TASK_ID": "2"}, "12_2"),
+      ("array_element_with_the_arrays_id",
+       {"SLURM_JOB_ID": "12", "SLURM_ARRAY_JOB_ID": "12",
+        "SLURM_ARRAY_TASK_ID": "0"}, "12_0"),
+      ("array_job_id_alone", {"SLURM_JOB_ID": "14",
+                              "SLURM_ARRAY_JOB_ID": "12"}, "14"),
+      ("not_in_slurm", {}, None),
+      ("empty_job_id", {"SLURM_JOB_ID": ""}, None),
+  )
+  def test_job_to_requeue(self, environ, job):
+    self.assertEqual(requeue.job_to_requeue(environ), job)
+
+  @parameterized.named_parameters(
+      ("unset", {}, {}),
+      ("off", {requeue.REQUEUE_VARIABLE: "0"}, {}),
+      ("empty", {requeue.REQUEUE_VARIABLE: ""}, {}),
+      ("on", _ON, {"enabled": True}),
+      ("on_word", {requeue.REQUEUE_VARIABLE: " True "}, {"enabled": True}),
+      ("off_word", {requeue.REQUEUE_VARIABLE: "no"}, {}),
+      ("cap", {**_ON, requeue.MAX_REQUEUES_VARIABLE: "3"},
+       {"enabled": True, "max_requeues": 3}),
+      ("cap_zero", {**_ON, requeue.MAX_REQUEUES_VARIABLE: "0"},
+       {"enabled": True, "max_requeues": 0}),
+      ("cap_empty", {**_ON, requeue.MAX_REQUEUES_VARIABLE: ""},
+       {"enabled": True}),
+      ("cap_while_off", {requeue.MAX_REQUEUES_VARIABLE: "2"},
+       {"max_requeues": 2}),
+  )
+  def test_options_from_environ(self, environ, fields):
+    self.assertEqual(requeue.options_from_environ(environ),
+                     requeue.RequeueOptions(**fields))
+
+  @parameterized.named_parameters(
+      ("maybe", {requeue.REQUEUE_VARIABLE: "maybe"},
+       requeue.REQUEUE_VARIABLE, "maybe"),
+      ("two", {requeue.REQUEUE_VARIABLE: "2"}, requeue.REQUEUE_VARIABLE, "2"),
+      ("negative_cap", {**_ON, requeue.MAX_REQUEUES_VARIABLE: "-1"},
+       requeue.MAX_REQUEUES_VARIABLE, "-1"),
+      ("cap_word", {**_ON, requeue.MAX_REQUEUES_VARIABLE: "three"},
+       requeue.MAX_REQUEUES_VARIABLE, "three"),
+  )
+  def test_bad_environment_is_a_config_error(self, environ, field, value):
+    with self.assertRaises(tfdist.ConfigError) as e:
+      requeue.options_from_environ(environ)
+    self.assertEqual((e.exception.field, e.exception.value,
+                      e.exception.source), (field, value, "the environment"))
+    self.assertIn("expected", str(e.exception))
+
+  @parameterized.named_parameters(
+      ("enabled", {"enabled": "yes"}, "enabled"),
+      ("negative_cap", {"max_requeues": -1}, "max_requeues"),
+      ("bool_cap", {"max_requeues": True}, "max_requeues"),
+      ("zero_timeout", {"timeout_seconds": 0}, "timeout_seconds"),
+      ("nan_timeout", {"timeout_seconds": float("nan")}, "timeout_seconds"),
+  )
+  def test_invalid_options(self, fields, field):
+    with self.assertRaises(tfdist.ConfigError) as e:
+      requeue.RequeueOptions(**fields)
+    self.assertEqual(e.exception.field, field)
+
+  @parameterized.named_parameters(
+      ("off", {}, {"SLURM_JOB_ID": "12"}, (None, None)),
+      ("off_outside_slurm", {}, {}, (None, None)),
+      ("first_run", {"enabled": True}, {"SLURM_JOB_ID": "12"}, ("12", None)),
+      ("no_cap", {"enabled": True},
+       {"SLURM_JOB_ID": "12", "SLURM_RESTART_COUNT": "50"}, ("12", None)),
+      ("below_the_cap", {"enabled": True, "max_requeues": 2},
+       {"SLURM_JOB_ID": "12", "SLURM_RESTART_COUNT": "1"}, ("12", None)),
+      ("at_the_cap", {"enabled": True, "max_requeues": 2},
+       {"SLURM_JOB_ID": "12", "SLURM_RESTART_COUNT": "2"},
+       (None, "not requeueing job 12: 2 requeue(s) done, the cap "
+              "(TFDIST_SLURM_MAX_REQUEUES=2)")),
+      ("cap_zero_on_the_first_run", {"enabled": True, "max_requeues": 0},
+       {"SLURM_ARRAY_JOB_ID": "9", "SLURM_ARRAY_TASK_ID": "1",
+        "SLURM_JOB_ID": "11"},
+       (None, "not requeueing job 9_1: 0 requeue(s) done, the cap "
+              "(TFDIST_SLURM_MAX_REQUEUES=0)")),
+      ("array_element", {"enabled": True, "max_requeues": 1},
+       {"SLURM_ARRAY_JOB_ID": "9", "SLURM_ARRAY_TASK_ID": "1",
+        "SLURM_JOB_ID": "11"}, ("9_1", None)),
+      ("not_in_slurm", {"enabled": True}, {},
+       (None, "not requeueing: not in a SLURM job (no SLURM_JOB_ID), so "
+              "TFDIST_SLURM_REQUEUE=1 has nothing to requeue")),
+      ("bad_restart_count", {"enabled": True},
+       {"SLURM_JOB_ID": "12", "SLURM_RESTART_COUNT": "x"},
+       (None, "not requeueing job 12: SLURM_RESTART_COUNT='x' is not a count "
+              "of requeues")),
+  )
+  def test_plan(self, fields, environ, expected):
+    self.assertEqual(
+        requeue.plan(requeue.RequeueOptions(**fields), environ), expected)
+
+
+class RequeueScontrolTest(absltest.TestCase):
+  """`requeue.requeue_after_save` running a stand-in scontrol (a real
+  process on PATH): what it runs, what it says, and its time bound."""
+
+  def environ(self, path: str, **slurm: str) -> dict[str, str]:
+    return {"PATH": f"{path}:{os.environ.get('PATH', os.defpath)}", **slurm}
+
+  def test_requeues_the_array_element_once(self):
+    path, record = _stand_in_scontrol(self, 'echo "$@" >> {record}')
+    line = requeue.requeue_after_save(
+        requeue.RequeueOptions(enabled=True, max_requeues=3),
+        environ=self.environ(path, SLURM_JOB_ID="14", SLURM_ARRAY_JOB_ID="12",
+                             SLURM_ARRAY_TASK_ID="3", SLURM_RESTART_COUNT="1"))
+    self.assertEqual(line, "requeued job 12_3 (requeue 2 of at most 3): it "
+                           "resumes from the checkpoint when SLURM starts it "
+                           "again")
+    self.assertEqual(_read(record), "requeue 12_3\n")
+
+  def test_a_failing_scontrol_is_one_line_with_its_stderr(self):
+    path, _ = _stand_in_scontrol(
+        self, "echo 'scontrol: error: Requested operation is presently "
+              "disabled for job 12' >&2; exit 1")
+    line = requeue.requeue_after_save(
+        requeue.RequeueOptions(enabled=True),
+        environ=self.environ(path, SLURM_JOB_ID="12"))
+    self.assertEqual(line, "requeueing job 12 failed: scontrol requeue 12 "
+                           "exited 1: scontrol: error: Requested operation is "
+                           "presently disabled for job 12")
+
+  def test_a_hanging_scontrol_is_killed_at_the_bound(self):
+    path, _ = _stand_in_scontrol(self, "exec sleep 60")
+    started = time.monotonic()
+    line = requeue.requeue_after_save(
+        requeue.RequeueOptions(enabled=True, timeout_seconds=1),
+        environ=self.environ(path, SLURM_JOB_ID="12"))
+    self.assertLess(time.monotonic() - started, 10)
+    self.assertEqual(line, "requeueing job 12 failed: scontrol requeue 12 did "
+                           "not answer within 1 s (killed; the job may not be "
+                           "requeued)")
+
+
+class WatcherRequeueTest(parameterized.TestCase):
+  """`PreemptionWatcher.exit`, in this process, with a stand-in scontrol:
+  the exit code stays 42 and the log says what happened to the job."""
+
+  def preempt(self, environ: dict[str, str], signum=signal.SIGUSR1):
+    """Signals a watcher on the default strategy, exits at step 3.
+
+    Returns:
+      (the PreemptedError's code, the tfdist lines logged, scontrol calls).
+    """
+    path, record = _stand_in_scontrol(self, 'echo "$@" >> {record}')
+    previous = {s: signal.getsignal(s) for s in tfdist.errors.STOP_SIGNALS}
+    for signum_, handler in previous.items():
+      self.addCleanup(signal.signal, signum_, handler)
+    with mock.patch.dict(os.environ):
+      for name in list(os.environ):
+        if name.startswith(("SLURM_", "TFDIST_SLURM_")):
+          del os.environ[name]
+      os.environ.update(environ, PATH=f"{path}:{os.environ['PATH']}")
+      with self.assertLogs("absl", "WARNING") as logs, self.assertRaises(
+          tfdist.PreemptedError) as e:
+        with _watcher() as w:
+          signal.raise_signal(signum)
+          self.assertTrue(w.should_stop())
+          w.exit(3)
+    lines = [r.getMessage() for r in logs.records
+             if r.getMessage().startswith("tfdist: ")
+             and "received" not in r.getMessage()]
+    return e.exception.code, lines, _read(record)
+
+  def test_disabled_requeues_nothing_and_says_nothing(self):
+    code, lines, calls = self.preempt({"SLURM_JOB_ID": "12"})
+    self.assertEqual((code, calls), (42, ""))
+    self.assertEqual(
+        lines, ["tfdist: checkpoint saved at step 3; exiting with code 42"])
+
+  def test_outside_slurm_says_nothing_was_requeued(self):
+    code, lines, calls = self.preempt(_ON)
+    self.assertEqual((code, calls), (42, ""))
+    self.assertEqual(lines, [
+        "tfdist: checkpoint saved at step 3; exiting with code 42",
+        "tfdist: not requeueing: not in a SLURM job (no SLURM_JOB_ID), so "
+        "TFDIST_SLURM_REQUEUE=1 has nothing to requeue"])
+
+  def test_the_chief_requeues_after_the_save(self):
+    code, lines, calls = self.preempt({**_ON, "SLURM_JOB_ID": "12"})
+    self.assertEqual((code, calls), (42, "requeue 12\n"))
+    self.assertEqual(lines, [
+        "tfdist: checkpoint saved at step 3; exiting with code 42",
+        "tfdist: requeued job 12 (requeue 1): it resumes from the checkpoint "
+        "when SLURM starts it again"])
+
+  def test_sigint_requeues_nothing(self):
+    code, lines, calls = self.preempt({**_ON, "SLURM_JOB_ID": "12"},
+                                      signal.SIGINT)
+    self.assertEqual((code, calls), (130, ""))
+    self.assertEqual(
+        lines, ["tfdist: checkpoint saved at step 3; exiting with code 130"])
+
+  def test_a_bad_variable_fails_before_training(self):
+    with mock.patch.dict(os.environ, {requeue.REQUEUE_VARIABLE: "sometimes"}):
+      with self.assertRaises(tfdist.ConfigError) as e:
+        _watcher()
+    self.assertEqual(e.exception.field, requeue.REQUEUE_VARIABLE)
 
 
 if __name__ == "__main__":

@@ -132,6 +132,9 @@ class SbatchSpecTest(parameterized.TestCase):
       ("setup_two_lines", {"setup": ("module load a\nmodule load b",)},
        "setup"),
       ("max_requeues_negative", {"max_requeues": -1}, "max_requeues"),
+      ("requeue_from_unknown", {"requeue_from": "shell"}, "requeue_from"),
+      ("requeue_from_task_without_requeue",
+       {"requeue_from": "task", "requeue": False}, "requeue_from"),
   )
   def test_invalid(self, changes, field):
     with self.assertRaises(ConfigError) as e:
@@ -186,6 +189,32 @@ class SbatchSpecTest(parameterized.TestCase):
     else:
       self.assertRegex(secrets[0], r"^[0-9a-f]{64}$")
       self.assertNotEqual(secrets[0], secrets[1])
+
+  @parameterized.named_parameters(("capped", 2), ("uncapped", None))
+  def test_requeue_from_task_signals_the_tasks_and_exports_the_rule(self, cap):
+    path = os.path.join(_tempdir(self), "task.sbatch")
+    with open(path, "w") as f:
+      f.write(launch.render(launch.SbatchSpec(requeue_from="task",
+                                              max_requeues=cap)))
+    with open(path) as f:
+      lines = f.read().splitlines()
+    self.assertIn("#SBATCH --signal=USR1@300", lines)
+    self.assertIn("#SBATCH --requeue", lines)
+    self.assertIn("export TFDIST_SLURM_REQUEUE=1", lines)
+    self.assertEqual("export TFDIST_SLURM_MAX_REQUEUES=2" in lines,
+                     cap is not None)
+    self.assertFalse([l for l in lines if "scontrol" in l and
+                      not l.startswith("#")])  # The chief task requeues.
+    self.assertEqual(lines[-1], 'exit "${status}"')
+    check = subprocess.run(["bash", "-n", path], capture_output=True,
+                           text=True, check=False)
+    self.assertEqual(check.returncode, 0, check.stderr)
+
+  @parameterized.named_parameters(("requeue", True), ("no_requeue", False))
+  def test_requeue_from_script_keeps_the_tasks_from_requeueing(self, requeue):
+    text = launch.render(launch.SbatchSpec(requeue=requeue))
+    self.assertIn("\nexport TFDIST_SLURM_REQUEUE=0\n", text)
+    self.assertIn("#SBATCH --signal=B:USR1@300\n", text)
 
   def test_spec_is_frozen(self):
     with self.assertRaises(dataclasses.FrozenInstanceError):
@@ -245,6 +274,13 @@ class SlurmCliTest(parameterized.TestCase):
     self.assertEqual(err.count("\n"), 1)
     self.assertStartsWith(err, "tfdist: warning: the command runs srun")
 
+  def test_requeue_from_task(self):
+    code, out, err = self.run_cli(["--requeue-from", "task",
+                                   "--max-requeues", "2"])
+    self.assertEqual((code, err), (0, ""))
+    self.assertEqual(out, launch.render(launch.SbatchSpec(
+        requeue_from="task", max_requeues=2)))
+
   def test_preset_with_overrides(self):
     code, out, _ = self.run_cli(["--preset", "parameter_server", "--nodes",
                                  "3", "--roles", "chief=1,ps=2,worker=3",
@@ -264,6 +300,9 @@ class SlurmCliTest(parameterized.TestCase):
       ("unknown_option", ["--gpus", "2"], "--gpus"),
       ("program_without_dashes", ["python", "t.py"], "python t.py"),
       ("output_dir_missing", ["-o", "/nonexistent-dir/x.sbatch"], "--output"),
+      ("requeue_from_unknown", ["--requeue-from", "shell"], "requeue_from"),
+      ("requeue_from_task_without_requeue",
+       ["--requeue-from", "task", "--no-requeue"], "requeue_from"),
   )
   def test_bad_flags_exit_2_with_one_line_and_write_nothing(self, argv, word):
     directory = _tempdir(self)

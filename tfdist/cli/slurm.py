@@ -36,6 +36,12 @@ _FLAGS: _args.FlagTable = {
                                   help="requeue after USR1 (default on)")),
     "max_requeues": ("--max-requeues", dict(
         type=int, metavar="K", help="requeue at most K times")),
+    "requeue_from": ("--requeue-from", dict(
+        metavar="{script,task}",
+        help="who requeues after the tasks saved: the batch shell "
+             "(script: --signal=B:USR1@N, the default) or the chief task "
+             "itself (task: --signal=USR1@N to the tasks, "
+             "TFDIST_SLURM_REQUEUE=1)")),
     "sbatch_options": ("--sbatch-option", dict(
         action="append", metavar="OPTION",
         help="one more #SBATCH line, e.g. --sbatch-option=--account=abc "

@@ -11,6 +11,7 @@ use. One module per concept:
 | `tf_config` | TF_CONFIG parsing and checks                                  |
 | `slurm`     | SLURM job variables, rank order, roles and ports              |
 | `hostlist`  | SLURM hostlist expressions                                    |
+| `requeue`   | the chief requeues its SLURM job after a preempted save       |
 | `names`     | host names resolved within a bound, or refused by name        |
 | `tpu`       | TPU VM and TPU name detection                                 |
 | `local`     | the local machine's devices                                   |

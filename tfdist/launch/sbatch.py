@@ -18,6 +18,11 @@ Every script:
   which names every element) and it resumes from the checkpoint. Tasks that
   finished or failed are not run again. Without ``B:`` SLURM would signal the
   tasks itself, but nothing would requeue;
+* or, with ``requeue_from="task"`` (``tfdist slurm --requeue-from task``),
+  asks for ``--signal=USR1@N``: SLURM sends USR1 to every task itself, and
+  after the tasks saved the chief task requeues the job
+  (`tfdist.cluster.requeue`, turned on by the ``TFDIST_SLURM_REQUEUE=1`` the
+  script exports); the shell only waits for srun and exits with its code;
 * runs ``srun --kill-on-bad-exit=0``: a task that saved exits 42, a bad exit
   to SLURM, and with ``=1`` srun would kill the peers still saving or
   exiting;
@@ -51,6 +56,7 @@ import subprocess
 from typing import Mapping
 
 from tfdist import _net
+from tfdist.cluster import requeue as requeue_lib
 from tfdist.cluster.slurm import parse_roles
 from tfdist.errors import ConfigError
 from tfdist.errors import PREEMPTED_EXIT_CODE
@@ -63,6 +69,7 @@ __all__ = [
     "template_name",
     "srun_problem",
     "fits_problem",
+    "REQUEUE_FROM",
 ]
 
 _SOURCE = "SbatchSpec"
@@ -78,6 +85,8 @@ _MAX_PER_NODE = 2**16 - 3
 _MAX_MINUTES = 2**32 - 3  # The time limit, in minutes.
 #: Seconds the remaining PS tasks get after the first task (the chief) exits.
 _PS_WAIT_SECONDS = 60
+#: Who runs ``scontrol requeue`` after the tasks saved (``requeue_from``).
+REQUEUE_FROM = ("script", "task")
 
 
 def parse_time(text: str, *, field: str = "time",
@@ -136,6 +145,11 @@ class SbatchSpec:
     max_requeues: requeue at most this many times (``SLURM_RESTART_COUNT``
       counts them); then a preempted run ends with exit code 42 instead.
       ``None``: no cap.
+    requeue_from: who requeues after the tasks saved and exited 42:
+      ``"script"``, the batch shell (``--signal=B:USR1@N``, forwarded to the
+      tasks), or ``"task"``, the chief task itself (``--signal=USR1@N`` to
+      the tasks; the script exports ``TFDIST_SLURM_REQUEUE=1`` and the cap
+      as ``TFDIST_SLURM_MAX_REQUEUES``). ``"task"`` needs ``requeue``.
   """
   job_name: str = "tfdist"
   nodes: int = 1
@@ -152,6 +166,7 @@ class SbatchSpec:
   sbatch_options: tuple[str, ...] = ()
   setup: tuple[str, ...] = ()
   max_requeues: int | None = None
+  requeue_from: str = "script"
 
   def __post_init__(self):
     for field in ("job_name", "partition"):
@@ -195,6 +210,16 @@ class SbatchSpec:
         "setup", self.setup, "shell lines such as 'module load cuda'"))
     if self.max_requeues is not None:
       _count("max_requeues", self.max_requeues, 0, _MAX_PER_NODE)
+    if self.requeue_from not in REQUEUE_FROM:
+      raise ConfigError(
+          field="requeue_from", value=self.requeue_from, source=_SOURCE,
+          expected="'script' (the batch shell requeues) or 'task' (the chief "
+                   "task requeues)")
+    if self.requeue_from == "task" and not self.requeue:
+      raise ConfigError(
+          field="requeue_from", value=self.requeue_from, source=_SOURCE,
+          expected="'script' with requeue=False (--no-requeue): there is "
+                   "nothing for the task to requeue")
     if not isinstance(self.description, str) or "\0" in self.description:
       raise ConfigError(field="description", value=self.description,
                         source=_SOURCE, expected="a string")
@@ -311,7 +336,8 @@ def render(spec: SbatchSpec) -> str:
       "--output=%x-%j.out",
       "--open-mode=append",
       "--requeue" if spec.requeue else "--no-requeue",
-      f"--signal=B:USR1@{spec.signal_seconds}",
+      f"--signal={'' if spec.requeue_from == 'task' else 'B:'}USR1@"
+      f"{spec.signal_seconds}",
   ]
   lines = ["#!/bin/bash"]
   lines += [f"# {line}".rstrip() for line in spec.description.splitlines()]
@@ -372,27 +398,37 @@ def _secret_lines() -> list[str]:
 
 def _signal_lines(spec: SbatchSpec) -> list[str]:
   code = PREEMPTED_EXIT_CODE
-  after = ([f"# The script waits for srun and, if it exited {code}, requeues "
-            "the job, which resumes",
-            "# from the checkpoint when it starts again; tasks that finished "
-            "(0) or failed are not",
-            "# run again."]
-           if spec.requeue else
-           ["# The script waits for srun; the job is not requeued "
-            "(--no-requeue)."])
-  lines = [
-      f"# {spec.signal_seconds} s before the time limit SLURM sends USR1 to "
-      "this shell (the B: in",
-      "# --signal). The trap forwards it to srun, which forwards it to every "
-      "task: that is",
-      "# the tasks' cue to save a checkpoint and exit with code "
-      f"{code} (tfdist.PREEMPTED_EXIT_CODE).",
-      *after,
+  by_task = spec.requeue_from == "task"
+  if by_task:
+    lines = _task_requeue_lines(spec)
+  else:
+    after = ([f"# The script waits for srun and, if it exited {code}, requeues "
+              "the job, which resumes",
+              "# from the checkpoint when it starts again; tasks that finished "
+              "(0) or failed are not",
+              "# run again."]
+             if spec.requeue else
+             ["# The script waits for srun; the job is not requeued "
+              "(--no-requeue)."])
+    lines = [
+        f"# {spec.signal_seconds} s before the time limit SLURM sends USR1 "
+        "to this shell (the B: in",
+        "# --signal). The trap forwards it to srun, which forwards it to "
+        "every task: that is",
+        "# the tasks' cue to save a checkpoint and exit with code "
+        f"{code} (tfdist.PREEMPTED_EXIT_CODE).",
+        *after,
+        "# The tasks never requeue the job themselves "
+        "(tfdist.cluster.requeue), whatever the",
+        "# submitting environment says.",
+        f"export {requeue_lib.REQUEUE_VARIABLE}=0",
+    ]
+  lines += [
       "srun_pid=",
-      "requeue=0",
+      *([] if by_task else ["requeue=0"]),
       "on_usr1() {",
       '  echo "tfdist: USR1 at $(date +%T): forwarding it to the tasks" >&2',
-      f"  requeue={int(spec.requeue)}",
+      *([] if by_task else [f"  requeue={int(spec.requeue)}"]),
       '  if [[ -n "${srun_pid}" ]]; then kill -USR1 "${srun_pid}"; fi',
       "}",
       "trap on_usr1 USR1",
@@ -400,8 +436,34 @@ def _signal_lines(spec: SbatchSpec) -> list[str]:
   return lines
 
 
+def _task_requeue_lines(spec: SbatchSpec) -> list[str]:
+  """The exports that make the chief task requeue, with their comment."""
+  cap = spec.max_requeues
+  return [
+      f"# {spec.signal_seconds} s before the time limit SLURM sends USR1 to "
+      "every task (no B: in --signal):",
+      "# the tasks' cue to save a checkpoint and exit with code "
+      f"{PREEMPTED_EXIT_CODE} (tfdist.PREEMPTED_EXIT_CODE).",
+      "# Once they saved, the chief task requeues the job itself (`scontrol "
+      "requeue`) and says",
+      "# so in one `tfdist: ` line; the job resumes from the checkpoint when "
+      "it starts again.",
+      "# Tasks that finished (0) or failed are not run again. tfdist reads "
+      "these variables in",
+      "# every task (tfdist.cluster.requeue).",
+      *([] if cap is None else [f"# At most {cap} requeue(s): "
+                                "SLURM_RESTART_COUNT counts them."]),
+      f"export {requeue_lib.REQUEUE_VARIABLE}=1",
+      *([] if cap is None
+        else [f"export {requeue_lib.MAX_REQUEUES_VARIABLE}={cap}"]),
+      "# USR1 sent to this shell as well (scancel --batch or --full) is "
+      "forwarded to srun.",
+  ]
+
+
 def _cap_lines(spec: SbatchSpec) -> list[str]:
-  if spec.max_requeues is None or not spec.requeue:
+  if (spec.max_requeues is None or not spec.requeue
+      or spec.requeue_from == "task"):
     return []
   return [
       f"# At most {spec.max_requeues} requeue(s): SLURM_RESTART_COUNT counts "
@@ -495,6 +557,15 @@ def _run_lines(spec: SbatchSpec) -> list[str]:
       "# once more for its exit status.",
       'while kill -0 "${srun_pid}" 2>/dev/null; do wait "${srun_pid}"; done',
       'wait "${srun_pid}"; status=$?',
+  ]
+  if spec.requeue_from == "task":
+    return lines + [
+        "# Nothing to requeue here: the chief task did, or said why not (SLURM "
+        "ends a requeued",
+        "# job's shell before this line).",
+        'exit "${status}"',
+    ]
+  lines += [
       *_cap_lines(spec),
       f"if (( requeue && status == {code} )); then",
       "  # In an array, SLURM_JOB_ID of one element is the array's id, which "

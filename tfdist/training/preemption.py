@@ -35,6 +35,11 @@ SIGUSR1 is only logged. A signal is never lost: if training ends before the
 workers agreed on it, leaving the watcher raises `PreemptedError` with the
 signal's code (nothing more saved; the run's own saves stand).
 
+With ``TFDIST_SLURM_REQUEUE=1`` (``tfdist slurm --requeue-from task``) the
+chief requeues its SLURM job itself after a save for SIGTERM or SIGUSR1,
+just before exiting with 42 (`tfdist.cluster.requeue`); other tasks, SIGINT
+and the signals that came with nothing more to save requeue nothing.
+
 ``tfdist.fit`` (with ``backup_dir``) and `tfdist.Runner` (with a
 ``checkpoint_dir``) use it; a custom loop can too::
 
@@ -56,6 +61,7 @@ from typing import Sequence
 from absl import logging
 import tensorflow as tf
 
+from tfdist.cluster import requeue as requeue_lib
 from tfdist.errors import PREEMPTED_EXIT_CODE
 from tfdist.errors import PREEMPTION_SIGNALS
 from tfdist.errors import STOP_SIGNALS
@@ -103,7 +109,8 @@ class PreemptionWatcher:
 
   def __init__(self, strategy: tf.distribute.Strategy, *,
                signals: Sequence[int] = tuple(STOP_SIGNALS),
-               check_seconds: float = DEFAULT_CHECK_SECONDS):
+               check_seconds: float = DEFAULT_CHECK_SECONDS,
+               requeue: requeue_lib.RequeueOptions | None = None):
     """Creates the watcher.
 
     Args:
@@ -112,7 +119,15 @@ class PreemptionWatcher:
       check_seconds: across workers, agree about this often (in training
         time); a signal is acted on within about this long plus one step.
         0 agrees at every step.
+      requeue: whether the chief requeues its SLURM job after a preempted
+        save (`tfdist.cluster.requeue`); read from ``TFDIST_SLURM_REQUEUE``
+        and ``TFDIST_SLURM_MAX_REQUEUES`` by default.
+
+    Raises:
+      ConfigError: those variables are malformed (before training starts).
     """
+    self._requeue = (requeue_lib.options_from_environ() if requeue is None
+                     else requeue)
     self._strategy = strategy
     self._signals = tuple(signals)
     self._received: int | None = None
@@ -219,9 +234,18 @@ class PreemptionWatcher:
     return self._stop
 
   def exit(self, step: int) -> None:
-    """Raises `PreemptedError` for ``step`` (call it after saving)."""
+    """Raises `PreemptedError` for ``step`` (call it after saving).
+
+    On the chief, after a preemption (42), first requeues the SLURM job when
+    in-process requeue is on; that never raises nor hangs.
+    """
     logging.warning("tfdist: checkpoint saved at step %d; exiting with code "
                     "%d", step, self._code)
+    if (self._code == PREEMPTED_EXIT_CODE and self._requeue.enabled
+        and introspect.is_chief(self._strategy)):
+      line = requeue_lib.requeue_after_save(self._requeue)
+      if line:
+        logging.warning("tfdist: %s", line)
     raise PreemptedError(step=int(step), signal_name=self.signal_name,
                          code=self._code)
 

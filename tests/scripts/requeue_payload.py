@@ -1,0 +1,41 @@
+"""A TensorFlow-free SLURM task for the in-process requeue tests.
+
+Does what a tfdist training task does once it saved on USR1, without the
+training: prints ``RESULT {"procid": R, "restart": N, "waiting": true}``,
+waits for USR1 (at most ``--wait`` seconds), then the chief (rank 0) calls
+`tfdist.cluster.requeue.requeue_after_save` (the call
+`tfdist.training.preemption.PreemptionWatcher.exit` makes) and prints its
+line as ``tfdist: LINE``, and every task exits 42. Without USR1 it exits 0.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+from tfdist.cluster import requeue
+from tfdist.errors import PREEMPTED_EXIT_CODE
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--wait", type=float, default=60.0)
+args = parser.parse_args()
+
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append(time.time()))
+procid = int(os.environ["SLURM_PROCID"])
+print("RESULT " + json.dumps({
+    "procid": procid,
+    "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+    "waiting": True}), flush=True)
+deadline = time.time() + args.wait
+while not got and time.time() < deadline:
+  time.sleep(0.1)
+if not got:
+  sys.exit(0)
+if procid == 0:
+  line = requeue.requeue_after_save()
+  if line:
+    print(f"tfdist: {line}", flush=True)
+sys.exit(PREEMPTED_EXIT_CODE)
