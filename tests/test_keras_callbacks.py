@@ -98,6 +98,12 @@ class ChiefInProcessTest(parameterized.TestCase):
       self.assertNotIn("on_epoch_end", vars(cb))
       self.assertFalse(hasattr(cb, "_tfdist_one_writer"))
 
+  def test_a_formatted_directory_is_written_as_keras_formats_it(self):
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        os.path.join(self.root, "e{epoch}", "m.keras"))
+    self._fit([checkpoint])
+    self.assertEqual(_tree(self.root), ["e1/m.keras", "e2/m.keras"])
+
   def test_backup_resumes_at_the_saved_epoch(self):
     backup = os.path.join(self.root, "backup")
     self._fit([keras.callbacks.BackupAndRestore(backup,

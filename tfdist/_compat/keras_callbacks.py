@@ -28,7 +28,9 @@ already inside a `one_writer` is left to the outer one.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -47,6 +49,7 @@ VERIFIED: Mapping[str, str] = {
 }
 
 _STAGING = ".tfdist-staging-"
+_FIELD = re.compile(r"\{[^{}]*\}")  # A str.format field, as in "{epoch:02d}".
 _SCRATCH = "tfdist-keras-"
 _INSIDE = "_tfdist_one_writer"  # Set on callbacks while a one_writer holds them.
 _Scratch = Callable[[], str]
@@ -153,17 +156,20 @@ def _model_checkpoint(callback: Any, *, chief: bool,
   if not chief:
     callback.filepath = os.path.join(scratch(), _name(real))
   elif "://" not in os.fspath(real):
-    target = os.path.dirname(os.path.abspath(os.fspath(real)))
-    # Keras creates the staging directory at its first save.
-    staging = os.path.join(target, f"{_STAGING}{os.getpid()}")
+    # Keras formats the whole path (``ckpt/{epoch}/m.keras``) and creates
+    # the staging directory inside what it formatted, at its first save.
+    directory = os.path.dirname(os.path.abspath(os.fspath(real)))
+    staging = os.path.join(directory, f"{_STAGING}{os.getpid()}")
     callback.filepath = os.path.join(staging, _name(real))
-    publish = lambda: _publish_all(staging, target)
+    staged = _FIELD.sub("*", glob.escape(staging))
+    publish = lambda: _publish_all(glob.glob(staged))
     try:
       with _after(callback, ("on_epoch_end", "on_train_batch_end"), publish):
         yield
     finally:
       callback.filepath = real
-      shutil.rmtree(staging, ignore_errors=True)
+      for path in glob.glob(staged):
+        shutil.rmtree(path, ignore_errors=True)
     return
   try:
     yield
@@ -171,12 +177,14 @@ def _model_checkpoint(callback: Any, *, chief: bool,
     callback.filepath = real
 
 
-def _publish_all(staging: str, target: str) -> None:
-  """Renames every file staged onto its place in ``target``."""
-  if not os.path.isdir(staging):
-    return
-  for name in os.listdir(staging):
-    os.replace(os.path.join(staging, name), os.path.join(target, name))
+def _publish_all(stagings: Sequence[str]) -> None:
+  """Renames every file staged onto its place beside the staging directory,
+  which goes once empty."""
+  for staging in stagings:
+    target = os.path.dirname(staging)
+    for name in os.listdir(staging):
+      os.replace(os.path.join(staging, name), os.path.join(target, name))
+    os.rmdir(staging)
 
 
 def _point_backup(callback: Any, directory: str) -> None:
