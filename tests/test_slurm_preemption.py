@@ -23,9 +23,13 @@ goes to the tasks (``scancel --signal=USR1``, what ``--signal=USR1@N``
 sends) and the chief task requeues the job itself: the same 2-task job saves,
 is requeued once by its chief and resumes; with a cap of 1 the second
 preemption ends the job with 42 and says why. The rule's decisions (job id,
-cap, enablement) are tables; scontrol's failure and time bound use a stand-in
-scontrol on PATH; the watcher's log lines (requeue off, not under SLURM,
-SIGINT) come from a `PreemptionWatcher` in this process.
+cap, enablement) are tables. `requeue.requeue_after_save` runs the real
+scontrol: against running ``sleep`` jobs of the local SLURM (SLURM's record
+shows the requeue), a job id SLURM does not know (scontrol's own error), and
+a copy of the slurm.conf whose controller port is a loopback socket that
+never answers (the time bound). The watcher's log lines (requeue on or off,
+not under SLURM, SIGINT) come from a `PreemptionWatcher` in this process
+whose environment names a running job of the local SLURM.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -512,16 +517,44 @@ class SlurmPreemptionTest(parameterized.TestCase):
     self.assert_nothing_left(job, directory)
 
 
-def _stand_in_scontrol(test: absltest.TestCase, body: str) -> tuple[str, str]:
-  """A directory holding an executable ``scontrol`` running ``body`` (sh),
-  and the file it may write; put the directory first on PATH."""
+def _running_job(test: absltest.TestCase, slurm: slurm_harness.LocalSlurm,
+                 *args: str, elements: int = 1) -> _Job:
+  """A requeueable ``sleep`` batch job (an array with ``--array=...`` in
+  ``args``, of ``elements`` elements), once every element runs, as a
+  preempted training job does. Cancelled when the test ends."""
   directory = _tempdir(test)
-  record = os.path.join(directory, "calls")
-  path = os.path.join(directory, "scontrol")
-  with open(path, "w") as f:
-    f.write(f"#!/bin/sh\n{body.format(record=record)}\n")
-  os.chmod(path, 0o755)
-  return directory, record
+  script = os.path.join(directory, "sleep.sbatch")
+  with open(script, "w") as f:
+    f.write("#!/bin/sh\nexec sleep 300\n")
+  job = _Job(test, slurm, script, args=["--requeue", "--output=/dev/null",
+                                        "--cpus-per-task=1", *args],
+             env={}, chdir=directory)
+
+  def running():
+    records = job.records()
+    return len(records) == elements and all(
+        _field(r, "JobState") == "RUNNING" for r in records)
+
+  _wait(test, running, 60, lambda: job.scontrol("show", "job", job.id))
+  return job
+
+
+def _state(job: _Job, name: str | None = None) -> tuple[str, int]:
+  """SLURM's ``(JobState, Restarts)`` for the job, or for ``name`` (an array
+  element's ``ARRAYID_TASKID``)."""
+  record = job.records(name)[0]
+  return _field(record, "JobState"), int(_field(record, "Restarts"))
+
+
+def _assert_requeued(test: absltest.TestCase, job: _Job,
+                     name: str | None = None) -> None:
+  """SLURM ended the run and queued the job again: PENDING, one restart.
+
+  SLURM counts the requeue in ``scontrol requeue`` itself; the state passes
+  through COMPLETING while the run is killed, hence the bounded wait.
+  """
+  _wait(test, lambda: _state(job, name) == ("PENDING", 1), 30,
+        lambda: job.scontrol("show", "job", name or job.id))
 
 
 _ON = {requeue.REQUEUE_VARIABLE: "1"}
@@ -634,58 +667,115 @@ class RequeueRuleTest(parameterized.TestCase):
         requeue.plan(requeue.RequeueOptions(**fields), environ), expected)
 
 
+@pytest.mark.timeout(120)
 class RequeueScontrolTest(absltest.TestCase):
-  """`requeue.requeue_after_save` running a stand-in scontrol (a real
-  process on PATH): what it runs, what it says, and its time bound."""
+  """`requeue.requeue_after_save` running the real scontrol with the local
+  SLURM's environment: what it says, what SLURM did, and its time bound."""
 
-  def environ(self, path: str, **slurm: str) -> dict[str, str]:
-    return {"PATH": f"{path}:{os.environ.get('PATH', os.defpath)}", **slurm}
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.slurm = _SHARED.get()
 
-  def test_requeues_the_array_element_once(self):
-    path, record = _stand_in_scontrol(self, 'echo "$@" >> {record}')
+  def environ(self, **slurm: str) -> dict[str, str]:
+    return {**self.slurm.env, **slurm}
+
+  def test_requeues_the_job_once(self):
+    job = _running_job(self, self.slurm)
     line = requeue.requeue_after_save(
         requeue.RequeueOptions(enabled=True, max_requeues=3),
-        environ=self.environ(path, SLURM_JOB_ID="14", SLURM_ARRAY_JOB_ID="12",
-                             SLURM_ARRAY_TASK_ID="3", SLURM_RESTART_COUNT="1"))
-    self.assertEqual(line, "requeued job 12_3 (requeue 2 of at most 3): it "
-                           "resumes from the checkpoint when SLURM starts it "
-                           "again")
-    self.assertEqual(_read(record), "requeue 12_3\n")
+        environ=self.environ(SLURM_JOB_ID=job.id, SLURM_RESTART_COUNT="1"))
+    # The line counts from SLURM_RESTART_COUNT (what this run was told);
+    # SLURM's record counts the requeues it did to this job: one.
+    self.assertEqual(line, f"requeued job {job.id} (requeue 2 of at most 3): "
+                           "it resumes from the checkpoint when SLURM starts "
+                           "it again")
+    _assert_requeued(self, job)
+
+  def test_requeues_only_the_array_element(self):
+    """The element whose SLURM_JOB_ID is the array's own id, which names
+    every element: only ``ARRAYID_TASKID`` is requeued."""
+    job = _running_job(self, self.slurm, "--array=0-1", elements=2)
+    ids = {int(_field(r, "ArrayTaskId")): _field(r, "JobId")
+           for r in job.records()}
+    (target,) = [i for i, job_id in ids.items() if job_id == job.id]
+    other = 1 - target
+    line = requeue.requeue_after_save(
+        requeue.RequeueOptions(enabled=True, max_requeues=3),
+        environ=self.environ(SLURM_JOB_ID=job.id, SLURM_ARRAY_JOB_ID=job.id,
+                             SLURM_ARRAY_TASK_ID=str(target),
+                             SLURM_RESTART_COUNT="1"))
+    self.assertEqual(line, f"requeued job {job.id}_{target} (requeue 2 of at "
+                           "most 3): it resumes from the checkpoint when "
+                           "SLURM starts it again")
+    _assert_requeued(self, job, f"{job.id}_{target}")
+    self.assertEqual(_state(job, f"{job.id}_{other}"), ("RUNNING", 0))
 
   def test_a_failing_scontrol_is_one_line_with_its_stderr(self):
-    path, _ = _stand_in_scontrol(
-        self, "echo 'scontrol: error: Requested operation is presently "
-              "disabled for job 12' >&2; exit 1")
+    """``scontrol requeue`` of a job id the controller does not know."""
     line = requeue.requeue_after_save(
         requeue.RequeueOptions(enabled=True),
-        environ=self.environ(path, SLURM_JOB_ID="12"))
-    self.assertEqual(line, "requeueing job 12 failed: scontrol requeue 12 "
-                           "exited 1: scontrol: error: Requested operation is "
-                           "presently disabled for job 12")
+        environ=self.environ(SLURM_JOB_ID="999999"))
+    prefix = ("requeueing job 999999 failed: scontrol requeue 999999 exited "
+              "1: ")
+    self.assertStartsWith(line, prefix)
+    # SLURM 22.05 says "Invalid job id specified for job 999999".
+    self.assertIn("Invalid job id", line[len(prefix):])
+    self.assertNotIn("\n", line)
 
-  def test_a_hanging_scontrol_is_killed_at_the_bound(self):
-    path, _ = _stand_in_scontrol(self, "exec sleep 60")
+  def test_a_controller_that_never_answers_is_cut_at_the_bound(self):
+    """scontrol facing a controller that takes the connection and never
+    answers: a copy of the local slurm.conf whose SlurmctldPort is a
+    loopback socket that listens (the kernel completes the connection) and
+    never reads or writes. Unbounded, scontrol gives up by itself after
+    MessageTimeout (10 s by default; measured: 10.0 s, "Unexpected message
+    received for job 12"; a port nobody listens on: 9 s of retries), so a
+    return well before that is the 1 s bound killing it."""
+    with open(self.slurm.conf_path) as f:
+      conf = f.read()
+    self.assertRegex(conf, r"(?m)^SlurmctldHost=\S+\(127\.0\.0\.1\)$")
+    silent = socket.create_server(("127.0.0.1", 0), backlog=8)
+    self.addCleanup(silent.close)
+    conf, count = re.subn(r"(?m)^SlurmctldPort=\d+$",
+                          f"SlurmctldPort={silent.getsockname()[1]}", conf)
+    self.assertEqual(count, 1)
+    conf_path = os.path.join(_tempdir(self), "slurm.conf")
+    with open(conf_path, "w") as f:
+      f.write(conf)
     started = time.monotonic()
     line = requeue.requeue_after_save(
         requeue.RequeueOptions(enabled=True, timeout_seconds=1),
-        environ=self.environ(path, SLURM_JOB_ID="12"))
-    self.assertLess(time.monotonic() - started, 10)
+        environ=self.environ(SLURM_CONF=conf_path, SLURM_JOB_ID="12"))
+    self.assertLess(time.monotonic() - started, 5)
     self.assertEqual(line, "requeueing job 12 failed: scontrol requeue 12 did "
                            "not answer within 1 s (killed; the job may not be "
                            "requeued)")
 
 
+@pytest.mark.timeout(120)
 class WatcherRequeueTest(parameterized.TestCase):
-  """`PreemptionWatcher.exit`, in this process, with a stand-in scontrol:
-  the exit code stays 42 and the log says what happened to the job."""
+  """`PreemptionWatcher.exit`, in this process, with the local SLURM's
+  ``SLURM_CONF`` and a running job of it: the exit code stays 42, the log
+  says what happened to the job and SLURM's record shows it.
+
+  ``scontrol requeue`` returns once the controller counted the requeue, so
+  a job that still runs with no restart right after `exit` was not requeued.
+  """
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.slurm = _SHARED.get()
 
   def preempt(self, environ: dict[str, str], signum=signal.SIGUSR1):
     """Signals a watcher on the default strategy, exits at step 3.
 
+    ``environ`` replaces the process's SLURM and requeue variables; the
+    local SLURM's ``SLURM_CONF`` is added.
+
     Returns:
-      (the PreemptedError's code, the tfdist lines logged, scontrol calls).
+      (the PreemptedError's code, the tfdist lines logged).
     """
-    path, record = _stand_in_scontrol(self, 'echo "$@" >> {record}')
     previous = {s: signal.getsignal(s) for s in tfdist.errors.STOP_SIGNALS}
     for signum_, handler in previous.items():
       self.addCleanup(signal.signal, signum_, handler)
@@ -693,7 +783,7 @@ class WatcherRequeueTest(parameterized.TestCase):
       for name in list(os.environ):
         if name.startswith(("SLURM_", "TFDIST_SLURM_")):
           del os.environ[name]
-      os.environ.update(environ, PATH=f"{path}:{os.environ['PATH']}")
+      os.environ.update(environ, SLURM_CONF=self.slurm.env["SLURM_CONF"])
       with self.assertLogs("absl", "WARNING") as logs, self.assertRaises(
           tfdist.PreemptedError) as e:
         with _watcher() as w:
@@ -703,36 +793,45 @@ class WatcherRequeueTest(parameterized.TestCase):
     lines = [r.getMessage() for r in logs.records
              if r.getMessage().startswith("tfdist: ")
              and "received" not in r.getMessage()]
-    return e.exception.code, lines, _read(record)
+    return e.exception.code, lines
 
   def test_disabled_requeues_nothing_and_says_nothing(self):
-    code, lines, calls = self.preempt({"SLURM_JOB_ID": "12"})
-    self.assertEqual((code, calls), (42, ""))
+    job = _running_job(self, self.slurm)
+    code, lines = self.preempt({"SLURM_JOB_ID": job.id})
+    self.assertEqual(code, 42)
     self.assertEqual(
         lines, ["tfdist: checkpoint saved at step 3; exiting with code 42"])
+    self.assertEqual(_state(job), ("RUNNING", 0))
 
   def test_outside_slurm_says_nothing_was_requeued(self):
-    code, lines, calls = self.preempt(_ON)
-    self.assertEqual((code, calls), (42, ""))
+    """No SLURM_JOB_ID, though a controller with a running job is reachable:
+    that job is left alone."""
+    job = _running_job(self, self.slurm)
+    code, lines = self.preempt(_ON)
+    self.assertEqual(code, 42)
     self.assertEqual(lines, [
         "tfdist: checkpoint saved at step 3; exiting with code 42",
         "tfdist: not requeueing: not in a SLURM job (no SLURM_JOB_ID), so "
         "TFDIST_SLURM_REQUEUE=1 has nothing to requeue"])
+    self.assertEqual(_state(job), ("RUNNING", 0))
 
   def test_the_chief_requeues_after_the_save(self):
-    code, lines, calls = self.preempt({**_ON, "SLURM_JOB_ID": "12"})
-    self.assertEqual((code, calls), (42, "requeue 12\n"))
+    job = _running_job(self, self.slurm)
+    code, lines = self.preempt({**_ON, "SLURM_JOB_ID": job.id})
+    self.assertEqual(code, 42)
     self.assertEqual(lines, [
         "tfdist: checkpoint saved at step 3; exiting with code 42",
-        "tfdist: requeued job 12 (requeue 1): it resumes from the checkpoint "
-        "when SLURM starts it again"])
+        f"tfdist: requeued job {job.id} (requeue 1): it resumes from the "
+        "checkpoint when SLURM starts it again"])
+    _assert_requeued(self, job)
 
   def test_sigint_requeues_nothing(self):
-    code, lines, calls = self.preempt({**_ON, "SLURM_JOB_ID": "12"},
-                                      signal.SIGINT)
-    self.assertEqual((code, calls), (130, ""))
+    job = _running_job(self, self.slurm)
+    code, lines = self.preempt({**_ON, "SLURM_JOB_ID": job.id}, signal.SIGINT)
+    self.assertEqual(code, 130)
     self.assertEqual(
         lines, ["tfdist: checkpoint saved at step 3; exiting with code 130"])
+    self.assertEqual(_state(job), ("RUNNING", 0))
 
   def test_a_bad_variable_fails_before_training(self):
     with mock.patch.dict(os.environ, {requeue.REQUEUE_VARIABLE: "sometimes"}):
