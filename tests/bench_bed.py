@@ -1,14 +1,20 @@
 """``tfdist bench --across-hosts`` on the network test bed, link rate by rate.
 
-Two hosts of a `netbed.NetBed` (network namespaces, their links shaped with
-``tc tbf``) each run ``tfdist launch --nnodes 2`` of ``python -m tfdist bench
---across-hosts``, as two machines would. The test suite runs the quick preset
-at 1 and 10 Gbit/s (tests/test_bench_hosts.py); as a script it runs the full
-bench at the rates given and writes one report and one plot for all of them
-(needs root, as the bed does; minutes)::
+Two (or ``--hosts N``) hosts of a `netbed.NetBed` (network namespaces, their
+links shaped with ``tc tbf``) each run ``tfdist launch --nnodes N`` of
+``python -m tfdist bench --across-hosts``, as N machines would. The test
+suite runs the quick preset at 1 and 10 Gbit/s between two hosts and at 10
+Gbit/s between three (tests/test_bench_hosts.py); as a script it runs the
+full bench at the rates given and writes one report and one plot for all of
+them (needs root, as the bed does; minutes)::
 
-  sudo .venv/bin/python tests/bench_bed.py --rates 1gbit 10gbit \\
-      --json docs/bench_hosts.json --plot docs/bench_hosts.png
+  sudo .venv/bin/python tests/bench_bed.py --hosts 2 --rates 1gbit 10gbit \\
+      --json docs/bench_hosts.json --plot docs/bench_hosts_plot.png
+
+Each report of the script carries ``bed``: the host count, the rate and the
+machine's load averages (``os.getloadavg``) just before and just after its
+run, since the bed's hosts share this machine's cores with whatever else
+runs on it.
 """
 
 from __future__ import annotations
@@ -26,24 +32,40 @@ from tfdist.bench import hosts as hosts_lib
 import cluster_utils
 import netbed
 
-HOSTS = ("node1", "node2")
 SECRET = "bench-bed-secret"
 
 
-def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float
+def host_names(count: int) -> tuple[str, ...]:
+  """The bed's host names for ``count`` hosts: node1, node2, ..."""
+  if count < 2:
+    raise ValueError(f"hosts: expected 2 or more, got {count}")
+  return tuple(f"node{i + 1}" for i in range(count))
+
+
+def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float,
+               hosts: int = 2
                ) -> tuple[dict | None, list[str], list[int]]:
-  """The chief's report, both launchers' output and their exit codes."""
+  """The chief's report, every launcher's output and their exit codes.
+
+  Args:
+    rate: the ``tc tbf`` rate of every host's link (e.g. ``"10gbit"``).
+    quick: the quick preset of the bench.
+    workdir: where the chief writes its report.
+    timeout: bound on the launchers, seconds.
+    hosts: how many hosts (one worker each).
+  """
+  names = host_names(hosts)
   json_path = os.path.join(workdir, f"hosts-{rate}.json")
-  with netbed.NetBed(hosts=HOSTS, rate=rate) as bed:
+  with netbed.NetBed(hosts=names, rate=rate) as bed:
     env = cluster_utils.base_env({_net.JOB_SECRET_VARIABLE: SECRET})
     procs = [bed.popen(host, [
-        sys.executable, "-m", "tfdist", "launch", "--nnodes", "2",
-        "--node-rank", str(rank), "--master-addr", bed.address(HOSTS[0]),
+        sys.executable, "-m", "tfdist", "launch", "--nnodes", str(hosts),
+        "--node-rank", str(rank), "--master-addr", bed.address(names[0]),
         "--master-port", "29400", "--", sys.executable, "-m", "tfdist",
         "bench", "--across-hosts", *(["--quick"] if quick else []),
         "--json", json_path], env=env, cwd=cluster_utils.REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank, host in enumerate(HOSTS)]
+             for rank, host in enumerate(names)]
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
   report = None
   if os.path.exists(json_path):
@@ -56,6 +78,8 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--hosts", type=int, default=2,
+                      help="hosts of the bed, one worker each")
   parser.add_argument("--json", required=True)
   parser.add_argument("--plot")
   parser.add_argument("--timeout", type=float, default=1200)
@@ -63,13 +87,21 @@ def main() -> int:
   reports = {}
   with tempfile.TemporaryDirectory() as workdir:
     for rate in args.rates:
+      before = os.getloadavg()
       report, outs, codes = run_on_bed(rate, quick=args.quick,
-                                       workdir=workdir, timeout=args.timeout)
-      if codes != [0, 0] or report is None:
+                                       workdir=workdir, timeout=args.timeout,
+                                       hosts=args.hosts)
+      after = os.getloadavg()
+      if codes != [0] * args.hosts or report is None:
         print(f"bench_bed: {rate}: exit codes {codes}\n" + "\n".join(outs),
               file=sys.stderr)
         return 1
+      report["bed"] = {"hosts": args.hosts, "rate": rate,
+                       "quick": args.quick, "load_before": list(before),
+                       "load_after": list(after)}
       reports[rate] = report
+      print(f"bench_bed: {rate}: load average {before[0]:.2f} before, "
+            f"{after[0]:.2f} after", flush=True)
       print(f"== {rate}\n{hosts_lib.format_table(report)}", flush=True)
   with open(args.json, "w") as f:
     json.dump(reports, f, indent=1, sort_keys=True)

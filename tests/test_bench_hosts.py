@@ -1,7 +1,8 @@
 """``tfdist bench --across-hosts`` between two hosts of the network test bed.
 
-Runs the quick preset at 1 and 10 Gbit/s and checks the report's shape and
-meaning, never its speed: the figures are for the bench (docs/benchmarks.md).
+Runs the quick preset at 1 and 10 Gbit/s between two hosts, and at 10 Gbit/s
+between three, and checks the report's shape and meaning, never its speed:
+the figures are for the bench (docs/benchmarks.md).
 """
 
 import sys
@@ -39,6 +40,11 @@ class AcrossHostsTest(parameterized.TestCase):
     link = report["headline"]["link_bytes_per_s"]
     self.assertLess(link, _RATES[rate] * 1.05)
     self.assertLen(report["raw"]["link"]["by_rank"], 2)
+    self.assertGreater(report["raw"]["link"]["hop_latency_s"], 0)
+    # The ring model beside the sweep, from this run's alpha and link.
+    model = report["model_check"]
+    self.assertEqual((model["p"], model["bytes_per_s"]), (2, link))
+    self.assertEqual(set(model["by_size"]), {"4"})
     self.assertEqual(set(report["targets"]), {t.key for t in hosts_lib.TARGETS})
     sweep = report["raw"]["allreduce"]["sweep"]
     for method in hosts_lib.HOSTS_QUICK.methods:
@@ -51,6 +57,24 @@ class AcrossHostsTest(parameterized.TestCase):
     chief_out = next(o for o in outs if "across 2 workers" in o)
     self.assertIn("training_speedup_vs_raw", chief_out)
     self.assertTrue(any("the chief prints the report" in o for o in outs))
+
+
+  def test_three_hosts_report_nccl_bus_bandwidth_of_a_ring_of_three(self):
+    with tempfile.TemporaryDirectory() as d:
+      report, outs, codes = bench_bed.run_on_bed("10gbit", quick=True,
+                                                 workdir=d, timeout=300,
+                                                 hosts=3)
+    self.assertEqual(codes, [0, 0, 0], "\n".join(outs))
+    self.assertIsNotNone(report, "\n".join(outs))
+    hosts_lib.validate(report)
+    self.assertEqual(report["raw"]["hosts"],
+                     ["198.18.0.11", "198.18.0.12", "198.18.0.13"])
+    self.assertLen(report["raw"]["link"]["by_rank"], 3)
+    for method in hosts_lib.HOSTS_QUICK.methods:
+      figures = report["raw"]["allreduce"]["sweep"][method]["4"]
+      # NCCL's bus bandwidth: 2 (n - 1) / n of the algorithm bandwidth.
+      self.assertAlmostEqual(figures["busbw"], figures["algbw"] * 4 / 3)
+    self.assertEqual(report["model_check"]["p"], 3)
 
 
 class AcrossHostsInputTest(absltest.TestCase):

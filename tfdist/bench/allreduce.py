@@ -141,8 +141,11 @@ def sweep(strategy, *, sizes_mb: Sequence[float], methods: Sequence[str],
       reduces a tensor of S MiB round(16 / S) times (at least once).
 
   Returns:
-    ``{method: {size_mb: {"seconds": ..., "algbw": ..., "busbw": ...}}}``
-    with bandwidths in bytes per second.
+    ``{method: {size_mb: {"seconds": ..., "algbw": ..., "busbw": ...,
+    "cpu_per_wall": ...}}}`` with bandwidths in bytes per second;
+    ``cpu_per_wall`` is this process's CPU seconds (all its threads) per
+    second of the calls: near the cores it may use, the all-reduce is
+    bound by the processor, not the link.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   n = strategy.num_replicas_in_sync
@@ -156,15 +159,18 @@ def sweep(strategy, *, sizes_mb: Sequence[float], methods: Sequence[str],
     for name in methods:
       fn = _reduce_fn(strategy, name, sources, repeats)
       fn()  # Warm-up: traces and sets up the collective.
-      times = []
+      times, cpu = [], []
       for _ in range(iterations):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
-        times.append((time.perf_counter() - start) / repeats)
+        wall = time.perf_counter() - start
+        times.append(wall / repeats)
+        cpu.append((time.process_time() - start_cpu) / wall)
       t = statistics.median(times)
       algbw = elements * 4 / t
       out[name][str(size)] = {"seconds": t, "algbw": algbw,
-                              "busbw": algbw * 2 * (n - 1) / n}
+                              "busbw": algbw * 2 * (n - 1) / n,
+                              "cpu_per_wall": statistics.median(cpu)}
     del sources
   return out
 

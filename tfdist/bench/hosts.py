@@ -22,6 +22,10 @@ In one run, on the same hosts and sockets' routes:
    (``raw``) against tfdist's Runner with the socket transport
    (``tfdist``), in alternating windows.
 
+The report's ``model_check`` sets each size's measured all-reduce times
+beside the ring's alpha-beta model (`tfdist.bench.projection`), from the
+link's rate and the hop latency measured in the same run.
+
 The chief prints the table and writes the JSON report (and the plot); the
 other tasks print one line. Nothing is asserted about speed: the report says
 which targets (`TARGETS`) the figures meet.
@@ -36,6 +40,7 @@ from typing import Callable
 
 from tfdist.bench import allreduce as allreduce_lib
 from tfdist.bench import link as link_lib
+from tfdist.bench import projection
 from tfdist.bench import report as report_lib
 from tfdist.bench import runner
 from tfdist.bench import scaling
@@ -69,7 +74,7 @@ class HostsConfig:
       link measurement.
   """
   quick: bool = False
-  sizes_mb: tuple[float, ...] = (4, 16, 64)
+  sizes_mb: tuple[float, ...] = (1, 4, 16, 64)
   methods: tuple[str, ...] = ("none", "bf16", "socket", "socket_bf16",
                               "ring", "ring_bf16", "ring_polled", "exchange")
   iterations: int = 5
@@ -186,9 +191,13 @@ def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
       "ceiling_fraction_of_link": smallest("exchange"),
       "training_speedup_vs_raw": speed["tfdist"] / speed["raw"],
   }
+  model = projection.check(
+      sweep=sweep, p=len(hosts), link=projection.Link(
+          bytes_per_s=rate, latency_s=link.get("hop_latency_s") or 0.0))
   return {
       "kind": "across_hosts",
       "headline": headline,
+      "model_check": model,
       "targets": {t.key: {"target": t.text, "value": headline[t.key],
                           "met": t.met(headline[t.key])} for t in TARGETS},
       "raw": {"hosts": hosts, "workers": len(hosts), "link": link,
@@ -240,9 +249,25 @@ def format_table(report: dict) -> str:
   for method, per_size in fractions.items():
     lines.append("    " + f"{method:<14}" +
                  "".join(f"{per_size[s]:8.3f}" for s in sizes))
+  sweep = raw["allreduce"]["sweep"]
+  if all("cpu_per_wall" in f for m in sweep.values() for f in m.values()):
+    lines.append("  the chief's CPU seconds per second, by tensor size (MiB):")
+    for method, per_size in sweep.items():
+      lines.append("    " + f"{method:<14}" + "".join(
+          f"{per_size[s]['cpu_per_wall']:8.2f}" for s in sizes))
   speed = raw["training"]["steps_per_s"]
   lines.append(f"  {raw['training']['model']} steps/s: " + ", ".join(
       f"{v} {s:.2f}" for v, s in speed.items()))
+  model = report.get("model_check")
+  if model:
+    lines.append(f"  ring model (alpha {model['latency_s'] * 1e6:.1f} us a "
+                 f"hop, the link): measured / predicted time, by size:")
+    for size, row in sorted(model["by_size"].items(),
+                            key=lambda kv: float(kv[0])):
+      lines.append(f"    {size:>6} MiB  predicted {row['predicted_s'] * 1e3:8.2f}"
+                   " ms  " + "  ".join(
+                       f"{m} {v['measured_over_predicted']:.2f}"
+                       for m, v in row.items() if m != "predicted_s"))
   return "\n".join(lines)
 
 

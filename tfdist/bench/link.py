@@ -12,6 +12,12 @@ worker's rate (a ring moves at its slowest hop). Worker counts share one
 rule with the all-reduce: with two workers the right and left neighbour are
 the same, so both directions of the one link are loaded at once.
 
+Then a token of a few bytes goes round the ring over fresh connections,
+each worker passing it on as soon as it is in (`hop_latency`): the median
+round's time over the number of hops is the latency of one hop, the alpha of the
+alpha-beta cost model (`tfdist.bench.projection`), from the same hosts and
+the same kind of Python socket calls as the ring's.
+
 The addresses are exchanged through a `Rendezvous` (TensorFlow's
 coordination service under a strategy). Every connection starts with the
 key of the measurement and the sender's rank; anything else that connects is
@@ -33,10 +39,12 @@ from tfdist import _net
 from tfdist.errors import StartupTimeoutError
 from tfdist.perf.ring.connection import Rendezvous
 
-__all__ = ["measure", "stream_rates"]
+__all__ = ["measure", "stream_rates", "hop_latency"]
 
 _CHUNK = 4 << 20  # Bytes per sendall / recv_into.
 _HELLO = struct.Struct("!64sI")  # The measurement's key, the sender's rank.
+_TOKEN = b"tfdist-t"  # What goes round the ring when timing a hop.
+_TOKEN_ROUNDS = 200  # Rounds timed, after as many warm-up rounds / 10.
 
 
 def measure(*, rank: int, hosts: list[str], rendezvous: Rendezvous, key: str,
@@ -58,6 +66,8 @@ def measure(*, rank: int, hosts: list[str], rendezvous: Rendezvous, key: str,
 
   Returns:
     ``{"bytes_per_s": the slowest worker's rate, "by_rank": [rate, ...],
+    "hop_latency_s": one hop's latency (`hop_latency`), "cpu_per_wall":
+    this process's CPU seconds per second while its streams ran,
     "seconds": seconds, "repeats": repeats}``.
 
   Raises:
@@ -74,16 +84,26 @@ def measure(*, rank: int, hosts: list[str], rendezvous: Rendezvous, key: str,
       raise StartupTimeoutError(
           f"link measurement: worker {right} ({hosts[right]}) did not "
           f"publish its address within {timeout_s:g} s") from None
+    start, start_cpu = time.perf_counter(), time.process_time()
     rates = stream_rates(server=server, right=_net.split_address(address),
                          rank=rank, left=left, key=key, seconds=seconds,
                          repeats=repeats, timeout_s=timeout_s)
+    cpu = (time.process_time() - start_cpu) / (time.perf_counter() - start)
+    hop = hop_latency(server=server, right=_net.split_address(address),
+                      rank=rank, left=left, key=f"{key}/hop", n=n,
+                      timeout_s=timeout_s)
   mine = statistics.median(rates)
   rendezvous.publish(f"{key}/rate/{rank}", repr(mine))
   by_rank = [mine if r == rank else
              float(rendezvous.lookup(f"{key}/rate/{r}", timeout_s))
              for r in range(n)]
+  if rank == 0:
+    rendezvous.publish(f"{key}/hop", repr(hop))
+  else:
+    hop = float(rendezvous.lookup(f"{key}/hop", timeout_s))
   return {"bytes_per_s": min(by_rank), "by_rank": by_rank,
-          "seconds": seconds, "repeats": repeats}
+          "hop_latency_s": hop, "cpu_per_wall": cpu, "seconds": seconds,
+          "repeats": repeats}
 
 
 def stream_rates(*, server: socket.socket, right: tuple[str, int], rank: int,
@@ -109,6 +129,39 @@ def stream_rates(*, server: socket.socket, right: tuple[str, int], rank: int,
         if sent:
           raise sent[0]
   return rates
+
+
+def hop_latency(*, server: socket.socket, right: tuple[str, int], rank: int,
+                left: int, key: str, n: int, timeout_s: float,
+                rounds: int = _TOKEN_ROUNDS) -> float | None:
+  """Seconds per hop of a small token passed round the ring of ``n``.
+
+  Worker 0 sends the token and times its return; every other worker passes
+  it on as soon as it is in. Blocking calls, ``TCP_NODELAY``.
+
+  Returns:
+    On worker 0, the median round's time over ``n``; ``None`` elsewhere.
+  """
+  with socket.create_connection(right, timeout=timeout_s) as out:
+    out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    out.sendall(_HELLO.pack(key.encode()[:64], rank))
+    with _accept_from(server, key, left, timeout_s) as inbound:
+      inbound.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      warmup = max(1, rounds // 10)
+      times = []
+      for i in range(warmup + rounds):
+        start = time.perf_counter()
+        if rank == 0:
+          out.sendall(_TOKEN)
+        if len(_read_exactly(inbound, len(_TOKEN))) != len(_TOKEN):
+          raise ConnectionError(
+              f"link measurement: worker {left} closed the connection while "
+              f"timing a hop")
+        if rank != 0:
+          out.sendall(_TOKEN)
+        elif i >= warmup:
+          times.append(time.perf_counter() - start)
+  return statistics.median(times) / n if rank == 0 else None
 
 
 def _listener(host: str, timeout_s: float) -> socket.socket:

@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="run in every task of a cluster spanning hosts (tfdist launch "
            "--nnodes, srun): all-reduce and training against the measured "
            "link between them; the chief prints and writes the report")
+  parser.add_argument(
+      "--project", action="store_true",
+      help="measure nothing: print the alpha-beta model of all-reduce and "
+           "step time against host count (ring and tree at 1, 10 and 100 "
+           "Gbit/s; tfdist.bench.projection)")
   _args.add_flags(parser, _FLAGS)
 
 
@@ -41,11 +46,13 @@ def run(args: argparse.Namespace) -> int:
     ConfigError: a report or plot path cannot be written; checked before
       anything is measured.
   """
+  outputs = _args.given(args, _FLAGS)
+  if args.project:  # Arithmetic only: no TensorFlow.
+    return _project(outputs)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   # Imported here, not at the top: keeps `tfdist --help` fast.
   from tfdist.bench import report  # pylint: disable=g-import-not-at-top
   from tfdist.bench import runner  # pylint: disable=g-import-not-at-top
-  outputs = _args.given(args, _FLAGS)
   if args.across_hosts:
     return _across_hosts(args, outputs)
   with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS)):
@@ -53,6 +60,17 @@ def run(args: argparse.Namespace) -> int:
   found = runner.run(runner.QUICK if args.quick else runner.FULL, **outputs,
                      log=lambda s: print(s, file=sys.stderr, flush=True))
   print(report.format_table(found))
+  return 0
+
+
+def _project(outputs: dict) -> int:
+  import json  # pylint: disable=g-import-not-at-top
+  from tfdist.bench import projection  # pylint: disable=g-import-not-at-top
+  table = projection.project()
+  if outputs.get("json_path"):
+    with open(outputs["json_path"], "w") as f:
+      json.dump(table, f, indent=1)
+  print(projection.format_table(table))
   return 0
 
 
