@@ -6,7 +6,8 @@ Usage: fit_job.py STRATEGY [--input arrays|shuffled|dataset|dataset_fn]
   [--export PATH.keras]
 
 --die-at ends the process abruptly (os._exit(3)) once that many steps are
-applied, before the backup callback runs, like a kill between two steps.
+applied, before the backup callback runs, like a kill between two steps
+(every worker of a multi-worker cluster after the same step).
 "{task}" in --backup is replaced by this task's index in TF_CONFIG, so
 workers can be given different directories.
 """
@@ -54,6 +55,12 @@ class DieAt(keras.callbacks.Callback):
 
   def on_train_batch_end(self, batch, logs=None):
     if args.die_at and int(self.model.optimizer.iterations.numpy()) >= args.die_at:
+      if args.strategy == "multi_worker_mirrored":
+        # Every worker dies after the same step. A worker that finished the
+        # step's collectives may still be sending to one that has not: meet
+        # first (bounded), or the slower one fails in the collective instead.
+        from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+        context.context().wait_at_barrier("fit_job/die_at", 60_000)
       os._exit(3)
 
 
