@@ -205,8 +205,10 @@ def _build_parameter_server(o: opts.ParameterServerOptions,
           max_shard_bytes=o.max_shard_bytes, max_shards=o.max_shards),
       "fixed": lambda: partitioners.FixedShardsPartitioner(o.num_shards),
   }[o.variable_partitioner]()
-  return tf.distribute.experimental.ParameterServerStrategy(
+  strategy = tf.distribute.experimental.ParameterServerStrategy(
       resolver_lib.resolver_for(info), variable_partitioner=partitioner)
+  server_lib.linger_at_exit()  # So every ps and worker sees it come and go.
+  return strategy
 
 
 #: `catalog.BUILT_NAMES` -> builder; the options come from the catalog.
