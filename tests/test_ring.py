@@ -7,6 +7,7 @@ in this process, quickly, for the algorithm and its failures
 (tests/test_transport.py runs it under TensorFlow on real clusters).
 """
 
+import itertools
 import socket
 import struct
 import threading
@@ -412,10 +413,17 @@ def _make_rings(n, rendezvous=None, **kwargs):
   rendezvous = rendezvous or LocalRendezvous()
   options = dict(connect_timeout_s=20, timeout_s=20, block_bytes=BLOCK_BYTES)
   options.update(kwargs)
+  # A key of its own: these rings are unauthenticated, and a member of an
+  # earlier test's ring still reconnecting to a port the OS has handed out
+  # again must not pass for a member of this one (the hello carries the key).
+  key = f"test-{next(_RING_KEYS)}"
   return [perf.SocketRing(rank=i, hosts=["127.0.0.1"] * n,
                           names=[f"worker:{j}" for j in range(n)],
-                          rendezvous=rendezvous, key="test", **options)
+                          rendezvous=rendezvous, key=key, **options)
           for i in range(n)]
+
+
+_RING_KEYS = itertools.count()
 
 
 @pytest.mark.timeout(120)
