@@ -153,6 +153,7 @@ def _after(callback: Any, events: Sequence[str],
 def _model_checkpoint(callback: Any, *, chief: bool,
                       scratch: _Scratch) -> Iterator[None]:
   real = callback.filepath
+  staged = None  # A glob of the chief's staging directories.
   if not chief:
     callback.filepath = os.path.join(scratch(), _name(real))
   elif "://" not in os.fspath(real):
@@ -162,19 +163,14 @@ def _model_checkpoint(callback: Any, *, chief: bool,
     staging = os.path.join(directory, f"{_STAGING}{os.getpid()}")
     callback.filepath = os.path.join(staging, _name(real))
     staged = _FIELD.sub("*", glob.escape(staging))
-    publish = lambda: _publish_all(glob.glob(staged))
-    try:
-      with _after(callback, ("on_epoch_end", "on_train_batch_end"), publish):
-        yield
-    finally:
-      callback.filepath = real
-      for path in glob.glob(staged):
-        shutil.rmtree(path, ignore_errors=True)
-    return
+  events = ("on_epoch_end", "on_train_batch_end") if staged else ()
   try:
-    yield
+    with _after(callback, events, lambda: _publish_all(glob.glob(staged))):
+      yield
   finally:
     callback.filepath = real
+    for path in glob.glob(staged) if staged else ():
+      shutil.rmtree(path, ignore_errors=True)
 
 
 def _publish_all(stagings: Sequence[str]) -> None:
