@@ -10,8 +10,10 @@ in this process, quickly, for the algorithm and its failures
 import itertools
 import socket
 import struct
+import sys
 import threading
 import time
+import traceback
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -67,10 +69,21 @@ def _on_each(items, fn, timeout=60):
              for i in range(len(items))]
   for t in threads:
     t.start()
+  deadline = time.monotonic() + timeout
   for t in threads:
-    t.join(timeout)
-    assert not t.is_alive(), "a ring call did not return"
+    t.join(max(0.0, deadline - time.monotonic()))
+  alive = [i for i, t in enumerate(threads) if t.is_alive()]
+  assert not alive, (f"calls {alive} did not return in {timeout} s; every "
+                     f"thread's stack:\n{_stacks()}")
   return results
+
+
+def _stacks() -> str:
+  """Every thread's stack, to say where a call that did not return waits."""
+  names = {t.ident: t.name for t in threading.enumerate()}
+  return "\n".join(
+      f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(f))
+      for ident, f in sys._current_frames().items())  # pylint: disable=protected-access
 
 
 def _inputs(rank, size):

@@ -105,8 +105,10 @@ class Strangers:
 @pytest.mark.timeout(120)
 class StrangerTest(parameterized.TestCase):
 
-  def _run(self, on_port, n=2, **kwargs):
+  def _run(self, on_port, n=2, rendezvous=None, **kwargs):
     strangers = Strangers(on_port)
+    if rendezvous is not None:
+      strangers.rendezvous = rendezvous(strangers)
     try:
       results = _sum_of_ranks(_rings(n, strangers.rendezvous, **kwargs))
     finally:
@@ -210,20 +212,42 @@ class StrangerTest(parameterized.TestCase):
   def test_port_scanner_during_start_up(self, n):
     rng = np.random.default_rng(0)
 
-    def on_port(strangers, rank, port):
-      for i in range(40):  # Connect and close, random bytes, half hellos.
-        s = strangers.connect(port)
-        kind = i % 4
-        if kind == 0:
-          s.close()
-        elif kind == 1:
-          s.sendall(rng.bytes(int(rng.integers(1, 200))))
-        elif kind == 2:
-          s.sendall(_stranger_hello(rank=(rank - 1) % n, size=n)[:20])
-        else:
-          s.sendall(_stranger_hello(rank=(rank - 1) % n, size=n))
+    scanned = []
 
-    self._run(on_port, n=n, connect_timeout_s=30)
+    class Scanned(LocalRendezvous):
+      """A port is published once a scanner has been through it.
+
+      The scan runs beside the rank, which accepts strangers as they come
+      (a scanner is another program: it holds nobody up), and ends before
+      the left neighbour can find the port, so it falls in start-up.
+      """
+
+      def __init__(self, strangers):
+        super().__init__()
+        self.strangers = strangers
+
+      def publish(self, key, value):
+        rank, port = int(key.rsplit("/", 1)[1]), int(value)
+        hello = _stranger_hello(rank=(rank - 1) % n, size=n)
+        # Connect and close, random bytes, half and whole hellos.
+        payloads = [p for _ in range(10) for p in (
+            b"", rng.bytes(int(rng.integers(1, 200))), hello[:20], hello)]
+
+        def scan():
+          for payload in payloads:
+            s = self.strangers.connect(port)
+            if payload:
+              s.sendall(payload)
+            else:
+              s.close()
+          scanned.append(rank)
+          super(Scanned, self).publish(key, value)
+
+        self.strangers.background(scan)
+
+    strangers = self._run(None, n=n, rendezvous=Scanned, connect_timeout_s=30)
+    self.assertCountEqual(scanned, range(n))
+    self.assertLen(strangers.sockets, 40 * n)
 
   def test_flood_of_connections_beyond_the_limit(self):
     flooded = threading.Event()
