@@ -2,7 +2,7 @@
 
 The floors, lowest first (README.md, "Layout"):
 
-  errors, _net, _lazy, _compat  <-  cluster  <-  strategy  <-  data, perf
+  errors, _net, _lazy, _compat  <-  cluster, ring  <-  strategy  <-  data, perf
   <-  training  <-  facade, flags, recipes, launch, bench, report  <-  cli
 
 Imports are read from the source with `ast`, inside functions too, and so are
@@ -26,7 +26,7 @@ PACKAGE = os.path.join(ROOT, "tfdist")
 FLOORS = {
     "tfdist.errors": 0, "tfdist._net": 0, "tfdist._lazy": 0,
     "tfdist._secret": 0, "tfdist._compat": 0,
-    "tfdist.cluster": 1,
+    "tfdist.cluster": 1, "tfdist.ring": 1,
     "tfdist.strategy": 2,
     "tfdist.data": 3, "tfdist.perf": 3,
     "tfdist.training": 4,
@@ -180,6 +180,9 @@ class FloorsTest(parameterized.TestCase):
        ("tfdist.strategy", "tfdist.training", "tfdist.data", "tfdist.perf")),
       ("cluster_imports_nothing_above", "tfdist.cluster",
        ("tfdist.strategy", "tfdist.data", "tfdist.perf", "tfdist.training")),
+      ("ring_imports_nothing_above", "tfdist.ring",
+       ("tfdist.cluster", "tfdist.strategy", "tfdist.data", "tfdist.perf",
+        "tfdist.training")),
       ("errors_import_nothing", "tfdist.errors", ("tfdist",)),
       ("net_imports_nothing", "tfdist._net", ("tfdist",)),
       ("secret_imports_nothing", "tfdist._secret", ("tfdist",)),
@@ -205,6 +208,11 @@ class FloorsTest(parameterized.TestCase):
 
   def test_launch_needs_no_tensorflow(self):
     users = sorted(m for m in MODULES if _in(m, "tfdist.launch")
+                   and "tensorflow" in references(m)[2])
+    self.assertEqual(users, [])
+
+  def test_ring_needs_no_tensorflow(self):
+    users = sorted(m for m in MODULES if _in(m, "tfdist.ring")
                    and "tensorflow" in references(m)[2])
     self.assertEqual(users, [])
 

@@ -1,4 +1,4 @@
-"""The socket ring, tfdist.perf.ring: each seam alone, then `SocketRing`.
+"""The socket ring, tfdist.ring: each seam alone, then `SocketRing`.
 
 The schedule is checked without sockets, by simulating whole all-reduces in
 memory from it alone; the wire format by its bytes; the connection and the
@@ -22,10 +22,10 @@ import pytest
 
 import tfdist
 from tfdist import perf
-from tfdist.perf.ring import connection
-from tfdist.perf.ring import exchange
-from tfdist.perf.ring import schedule
-from tfdist.perf.ring import wire as wire_lib
+from tfdist.ring import connection
+from tfdist.ring import exchange
+from tfdist.ring import schedule
+from tfdist.ring import wire as wire_lib
 
 SIZES = [0, 1, 2, 3, 5, 7, 1001, (1 << 16) + 3]
 # Relative error of one rounding to the wire dtype, per hop.

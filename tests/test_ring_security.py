@@ -20,11 +20,11 @@ import pytest
 
 import tfdist
 from tfdist import perf
-from tfdist.perf.ring import auth
-from tfdist.perf.ring import connection
-from tfdist.perf.ring import exchange
-from tfdist.perf.ring import socket_ring
-from tfdist.perf.ring import wire as wire_lib
+from tfdist.ring import auth
+from tfdist.ring import connection
+from tfdist.ring import exchange
+from tfdist.ring import socket_ring
+from tfdist.ring import wire as wire_lib
 from test_ring import LocalRendezvous
 from test_ring import _members
 from test_ring import _on_each

@@ -1,4 +1,4 @@
-"""The socket transport, tfdist.perf.transport: the ring under TensorFlow.
+"""The socket transport, tfdist.strategy.transport: the ring under TensorFlow.
 
 `GradientOptions(transport="socket")` checked in this process, then real
 2-process MultiWorkerMirrored clusters (tests/scripts/socket_transport.py):
@@ -7,16 +7,22 @@ dies. The ring itself, seam by seam and as rings of threads, is
 tests/test_ring.py.
 """
 
+import json
+import os
+import sys
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import cluster_utils
 from test_ring import WIRE_RTOL
 import tfdist
 from tfdist import perf
+from tfdist.strategy import transport as transport_lib
 
 DEVICES = ["/cpu:0", "/cpu:1"]
 
@@ -45,13 +51,18 @@ class OptionsTest(parameterized.TestCase):
 
   def test_transport_is_validated(self):
     with self.assertRaisesRegex(tfdist.ConfigError,
-                                r"\['collective', 'socket'\]"):
+                                r"\['auto', 'collective', 'socket'\]"):
       perf.GradientOptions(transport="tcp")
+    with self.assertRaisesRegex(
+        tfdist.ConfigError, r"transport: received 'tcp'; expected one of "
+        r"\['auto', 'collective', 'socket'\] \(make_strategy options\)"):
+      tfdist.strategy.MultiWorkerMirroredOptions(transport="tcp")
     with self.assertRaisesRegex(tfdist.ConfigError, "bytes_per_pack"):
       perf.GradientOptions(transport="socket", bytes_per_pack=1024)
     with self.assertRaisesRegex(tfdist.ConfigError, "socket_timeout_seconds"):
       perf.GradientOptions(transport="socket", socket_timeout_seconds=0)
-    self.assertEqual(perf.TRANSPORTS, ("collective", "socket"))
+    self.assertEqual(perf.TRANSPORTS, ("auto", "collective", "socket"))
+    self.assertEqual(perf.GradientOptions().transport, "auto")
 
   def test_public_surface(self):
     self.assertEqual(sorted(perf.__all__), perf.__all__)
@@ -90,11 +101,68 @@ class OptionsTest(parameterized.TestCase):
       np.testing.assert_array_equal(a, b)
 
 
-def _cluster(mode, ranks=(0, 1)):
+CPU = ["/job:worker/replica:0/task:0/device:CPU:0"]
+GPU = ["/job:worker/replica:0/task:0/device:GPU:0"]
+
+
+@pytest.mark.timeout(60)
+class AutoRuleTest(parameterized.TestCase):
+  """``auto``: the socket ring only where it is faster and closed to strangers."""
+
+  @parameterized.named_parameters(
+      ("two_cpu_workers_with_secret", 2, CPU, True, "socket", "2 CPU workers"),
+      ("eight_cpu_workers_with_secret", 8, CPU, True, "socket", "8 CPU"),
+      ("no_secret", 2, CPU, False, "collective", "TFDIST_JOB_SECRET"),
+      ("one_worker", 1, CPU, True, "collective", "one worker"),
+      ("gpu_replicas", 2, GPU, True, "collective", "accelerators"),
+      ("two_replicas_a_worker", 2, CPU * 2, True, "collective",
+       "2 replicas on each worker"),
+  )
+  def test_rule(self, workers, devices, secret, transport, why):
+    got, reason = transport_lib.auto_rule(workers=workers,
+                                          local_devices=devices, secret=secret)
+    self.assertEqual(got, transport)
+    self.assertIn(why, reason)
+
+  @parameterized.named_parameters(
+      ("forced_collective", "collective", "collective"),
+      ("auto_one_replica", "auto", "collective"),
+  )
+  def test_environment_variable_decides_auto(self, value, transport):
+    strategy = tfdist.make_strategy("default")
+    choice = transport_lib.choose(strategy, "auto",
+                                  environ={"TFDIST_TRANSPORT": value})
+    self.assertEqual(choice.transport, transport)
+
+  def test_environment_variable_is_validated(self):
+    with self.assertRaisesRegex(
+        tfdist.ConfigError, r"TFDIST_TRANSPORT: received 'tcp'; expected "
+        r"one of \['auto', 'collective', 'socket'\] \(the TFDIST_TRANSPORT "
+        r"environment variable\)"):
+      transport_lib.choose(tfdist.make_strategy("default"), "auto",
+                           environ={"TFDIST_TRANSPORT": "tcp"})
+
+  def test_socket_for_a_strategy_it_cannot_serve_names_the_option(self):
+    strategy = tfdist.make_strategy("mirrored", devices=DEVICES)
+    with self.assertRaisesRegex(tfdist.ConfigError,
+                                "make_strategy option transport"):
+      transport_lib.choose(strategy, "socket")
+
+  def test_strategies_tfdist_did_not_build_keep_keras_code(self):
+    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    self.assertEqual(transport_lib.choice_of(strategy).transport,
+                     "collective")
+    plain = _fit(strategy, None)
+    forced = _fit(strategy, perf.GradientOptions(transport="collective"))
+    for a, b in zip(plain, forced):
+      np.testing.assert_array_equal(a, b)
+
+
+def _cluster(mode, ranks=(0, 1), env=None):
   """Runs the script on 2 workers; the JSON of the workers in ``ranks``."""
   results = cluster_utils.run_cluster(
       "socket_transport.py", cluster_utils.worker_configs(2), args=[mode],
-      timeout=300)
+      timeout=300, env=env)
   outs = []
   for rank in ranks:
     out = results[rank].json()
@@ -103,8 +171,15 @@ def _cluster(mode, ranks=(0, 1)):
   return results, outs
 
 
+def _assert_both_workers_equal(outs):
+  """Every figure the two workers printed is the same (the same bits)."""
+  for key in outs[0]:
+    if key != "rank":
+      np.testing.assert_array_equal(outs[0][key], outs[1][key])
+
+
 @pytest.mark.timeout(400)
-class ClusterTest(absltest.TestCase):
+class ClusterTest(parameterized.TestCase):
   """Two MultiWorkerMirrored processes on localhost."""
 
   def test_sums_exact_in_float32_and_close_compressed(self):
@@ -120,15 +195,43 @@ class ClusterTest(absltest.TestCase):
         rtol = 2 * WIRE_RTOL["float16" if "/fp16/" in case else "bfloat16"]
         self.assertLessEqual(got["max_error"], rtol * got["max_abs"], case)
 
-  def test_training_matches_tensorflow_collectives(self):
-    _, outs = _cluster("train")
+  @parameterized.named_parameters(
+      ("with_a_job_secret_the_ring", "s3cret", "socket"),
+      ("without_one_tensorflow_collectives", "", "collective"))
+  def test_training_by_default_forced_and_matching(self, secret, default):
+    _, outs = _cluster("default", env={"TFDIST_JOB_SECRET": secret})
     for out in outs:
-      for how in ("fit", "runner"):
-        np.testing.assert_allclose(out[f"{how}_socket"],
-                                   out[f"{how}_collective"], atol=1e-5)
-    for key in outs[0]:
-      if key != "rank":
-        np.testing.assert_array_equal(outs[0][key], outs[1][key])
+      self.assertEqual(out["transport"], default, out["reason"])
+      for how in ("keras_fit", "fit", "runner"):
+        calls = {t: out[f"{how}_{t}_ring_calls"]
+                 for t in ("default", "collective", "socket")}
+        self.assertEqual(calls["collective"], 0, how)
+        self.assertGreater(calls["socket"], 0, how)
+        self.assertEqual(calls["default"] > 0, default == "socket", how)
+        for transport in ("default", "socket"):  # Within 1e-5 of TF's.
+          np.testing.assert_allclose(out[f"{how}_{transport}"],
+                                     out[f"{how}_collective"], atol=1e-5)
+    _assert_both_workers_equal(outs)
+
+  def test_workers_that_choose_differently_are_refused_at_start_up(self):
+    argv = [sys.executable,
+            os.path.join(cluster_utils.SCRIPTS, "socket_transport.py"),
+            "default"]
+    envs = [cluster_utils.base_env({"TF_CONFIG": json.dumps(config),
+                                    "TFDIST_JOB_SECRET": secret})
+            for config, secret in zip(cluster_utils.worker_configs(2),
+                                      ("s3cret", ""))]  # worker:1 has none.
+    results = cluster_utils.run_processes([argv, argv], envs, timeout=240)
+    for result, mine, other, theirs in (
+        (results[0], "socket", "worker:1", "collective"),
+        (results[1], "collective", "worker:0", "socket")):
+      self.assertNotEqual(result.returncode, 0)
+      self.assertIn(f"ConfigError: transport: received '{mine} on ",
+                    result.stderr)
+      self.assertIn(f"the same on every worker; {other} chose {theirs}",
+                    result.stderr)
+      self.assertIn("TFDIST_JOB_SECRET and TFDIST_TRANSPORT alike",
+                    result.stderr)
 
   def test_dead_peer_fails_fast_with_its_name(self):
     results, (survivor,) = _cluster("die", ranks=(0,))

@@ -1,7 +1,7 @@
 """The job's shared secret at work: nonces and role-labelled HMAC-SHA256.
 
 Two places prove that a peer belongs to the job, the socket all-reduce ring
-(`tfdist.perf.ring.auth`) and the multi-node launch rendezvous
+(`tfdist.ring.auth`) and the multi-node launch rendezvous
 (`tfdist.launch.rendezvous`); both build their challenge and response from
 these. The secret itself comes from `tfdist._net.job_secret`. Nothing here
 imports TensorFlow or other tfdist modules.

@@ -1,15 +1,17 @@
 """One worker of a 2-process cluster exercising the socket transport.
 
-Usage: socket_transport.py sums|train|die
+Usage: socket_transport.py sums|default|die
 
 * ``sums``: all-reduces gradients of many shapes (scalars, empty, odd
   lengths, multi-block) through the optimizer hook, and numpy buffers
   through the ring itself, for every wire dtype. Prints, per case, the
   largest error against the float32 sum of both workers' inputs and a digest
   of the result's bytes (equal digests: equal bits on both workers).
-* ``train``: trains the same model with TensorFlow's collectives and with the
-  socket transport, through ``tfdist.fit`` and through ``tfdist.Runner``;
-  prints the weights of each.
+* ``default``: trains the same model with plain Keras code (``model.fit``),
+  `tfdist.fit` and `tfdist.Runner`, each with an optimizer given no options
+  (the transport ``make_strategy`` chose), forced to TensorFlow's
+  collectives, and forced to the socket transport; prints the choice, the
+  weights of each and how many calls each made on the socket ring.
 * ``die``: all-reduces a large buffer over and over; worker 1 ends itself
   abruptly (``os._exit``) during that loop; worker 0 prints the error it got
   and how long after worker 1's planned death it came.
@@ -38,7 +40,7 @@ import keras  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from tfdist import perf  # pylint: disable=g-import-not-at-top
-from tfdist.perf import transport  # pylint: disable=g-import-not-at-top
+from tfdist.strategy import transport  # pylint: disable=g-import-not-at-top
 
 # Gradient shapes: a scalar, empty, odd lengths, more than one 512 KiB block.
 SHAPES = [(), (0,), (1,), (3,), (5, 7), (1001,), (3, 0), (300_001,)]
@@ -128,11 +130,30 @@ def _runner(options):
   return job_common.weights(model)
 
 
-def train():
-  socket = perf.GradientOptions(transport="socket")
-  return {"fit_collective": _fit(None), "fit_socket": _fit(socket),
-          "runner_collective": _runner(None),
-          "runner_socket": _runner(socket)}
+def _keras_fit(options):
+  x, y = job_common.data(48)
+  model, optimizer = _model_and_optimizer(options)
+  with strategy.scope():
+    model.compile(optimizer=optimizer, loss="mse")
+  model.fit(x, y, batch_size=job_common.GLOBAL_BATCH, epochs=2,
+            shuffle=False, verbose=0)
+  return job_common.weights(model)
+
+
+def default():
+  choice = transport.choice_of(strategy)
+  out = {"transport": choice.transport, "reason": choice.reason}
+  for name, run in (("keras_fit", _keras_fit), ("fit", _fit),
+                    ("runner", _runner)):
+    for how, options in (
+        ("default", None),
+        ("collective", perf.GradientOptions(transport="collective")),
+        ("socket", perf.GradientOptions(transport="socket"))):
+      before = sum(r.calls for r in transport.rings_of(strategy))
+      out[f"{name}_{how}"] = run(options)
+      out[f"{name}_{how}_ring_calls"] = sum(
+          r.calls for r in transport.rings_of(strategy)) - before
+  return out
 
 
 def die():
@@ -169,7 +190,7 @@ def die():
 
 
 try:
-  result = {"rank": RANK, **{"sums": sums, "train": train, "die": die}[MODE]()}
+  result = {"rank": RANK, **{"sums": sums, "default": default, "die": die}[MODE]()}
 except Exception:  # pylint: disable=broad-exception-caught
   result = {"rank": RANK, "crash": traceback.format_exc()[-3000:]}
 print(json.dumps(result), flush=True)

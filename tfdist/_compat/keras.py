@@ -15,6 +15,7 @@ strategy, or with a strategy that already works, runs Keras's own code.
 | ``atomic_assign_add``         | ``Variable.assign_add`` / ``assign_sub``      | ParameterServer: lost increments |
 | ``lazy_optimizer_build``      | ``BaseOptimizer.apply``                       | custom loops: optimizer built inside ``strategy.run`` on several replicas |
 | ``chief_aware_callbacks``     | ``TensorFlowTrainer.fit`` (its callbacks)     | every worker writes ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger paths (`keras_callbacks`) and draws the progress bar |
+| ``strategy_transport``        | ``TFOptimizer._all_reduce_sum_gradients``     | not a bug: gradients take the transport `make_strategy` chose (`Host.all_reduce`), tfdist's socket ring where it is faster |
 
 **Which Keras gets them: decided at run time from the code, not the version.**
 Each correction records a fingerprint (`fingerprint`: a hash of the source
@@ -90,6 +91,7 @@ class Fix:
 
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
+_OPTIMIZER = "keras.src.backend.tensorflow.optimizer"
 _MAKE_FUNCTION = {f"{_TRAINER}:TensorFlowTrainer._make_function":
                   "93aaf1c139f8a7e7"}
 
@@ -120,6 +122,11 @@ FIXES: tuple[Fix, ...] = (
         {f"{_TRAINER}:TensorFlowTrainer.fit": None,
          **keras_callbacks.VERIFIED},
         "tensorflow/tensorflow#38635 (every worker saves to one path)"),
+    Fix("strategy_transport",
+        {f"{_OPTIMIZER}:TFOptimizer._all_reduce_sum_gradients": None,
+         # The caller, which hands it a list of every (gradient, variable).
+         f"{_OPTIMIZER}:TFOptimizer._backend_update_step": "9be20bff479173f6"},
+        "none: Keras sums gradients by the strategy's collectives only"),
 )
 
 
@@ -134,9 +141,13 @@ class Host:
       ``hint`` (`tfdist.ConfigError` fits).
     is_chief: whether this process writes checkpoints and logs under a
       strategy (`tfdist.strategy.introspect.is_chief`).
+    all_reduce: sums a list of ``(gradient, variable)`` pairs in a replica
+      context by the current strategy's transport, or returns ``None`` to
+      leave them to Keras (`tfdist.strategy.transport.keras_all_reduce`).
   """
   refusal: Callable[..., Exception]
   is_chief: Callable[[Any], bool]
+  all_reduce: Callable[[list], list | None] | None = None
 
 
 def _value_error(*, field: str, value: Any, expected: str, source: str,
@@ -583,6 +594,25 @@ def _fit(original):
   return functools.wraps(original)(wrapper)
 
 
+# Every Keras optimizer on TensorFlow sums its gradients here; tfdist's upper
+# floors may carry them by another transport (`Host.all_reduce`). An
+# optimizer given `tfdist.perf.with_gradient_options` has its own method.
+def _all_reduce_sum_gradients(original):
+  def wrapper(self, grads_and_vars):
+    grads_and_vars = list(grads_and_vars)
+    route = _host[0].all_reduce
+    summed = route(grads_and_vars) if route is not None else None
+    if summed is None:
+      return original(self, grads_and_vars)
+    return summed
+  return functools.wraps(original)(wrapper)
+
+
+def _tf_optimizer_class():
+  from keras.src.backend.tensorflow import optimizer  # pylint: disable=g-import-not-at-top
+  return optimizer.TFOptimizer
+
+
 def _layer_class():
   from keras.src.layers import layer  # pylint: disable=g-import-not-at-top
   return layer.Layer
@@ -613,4 +643,7 @@ _INSTALLS: dict[str, Callable[[], list[tuple[Any, str, Callable]]]] = {
         (_layer_class(), "_maybe_build", _lazy_layer_build)],
     "chief_aware_callbacks": lambda: [
         (_trainer().TensorFlowTrainer, "fit", _fit)],
+    "strategy_transport": lambda: [
+        (_tf_optimizer_class(), "_all_reduce_sum_gradients",
+         _all_reduce_sum_gradients)],
 }

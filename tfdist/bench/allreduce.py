@@ -5,13 +5,13 @@ each tensor size it times a float32 tensor's sum over the workers, in a
 `tf.function` of ``strategy.run`` as training does, by each entry of
 `METHODS`: TensorFlow's collectives sending float32 (``none``, what
 MultiWorkerMirroredStrategy does) or a `tfdist.perf` compression (``fp16``,
-``bf16``), and tfdist's socket transport (`tfdist.perf.transport`) sending
+``bf16``), and tfdist's socket transport (`tfdist.strategy.transport`) sending
 float32 (``socket``), float16 (``socket_fp16``) or bfloat16
 (``socket_bf16``), both summing in float32. ``ring`` and ``ring_bf16`` time
 the same socket ring called directly on numpy buffers, outside TensorFlow:
 the transport alone, without the packing copy and the ``tf.function`` /
 ``tf.numpy_function`` call; ``ring_polled`` is ``ring`` with every step
-moved by one polling thread (`tfdist.perf.ring.exchange`), as all steps
+moved by one polling thread (`tfdist.ring.exchange`), as all steps
 were before large ones got a sending and a receiving thread. ``exchange`` moves the bytes a ring all-reduce
 of the tensor must move (``2 (n - 1) / n`` times its size, each way) over the
 same sockets with no arithmetic (`SocketRing.send_receive`): the ceiling of
@@ -77,8 +77,8 @@ def _reduce_fn(strategy, method: str, sources, repeats: int):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist import perf  # pylint: disable=g-import-not-at-top
-  from tfdist.perf import transport  # pylint: disable=g-import-not-at-top
-  from tfdist.perf.ring import exchange  # pylint: disable=g-import-not-at-top
+  from tfdist.strategy import transport  # pylint: disable=g-import-not-at-top
+  from tfdist.ring import exchange  # pylint: disable=g-import-not-at-top
   kind, compression = METHODS[method]
   codec = perf.get_compression(compression)
   options = perf.GradientOptions()

@@ -128,8 +128,9 @@ def run(config: HostsConfig, *, json_path: str | None = None,
   """
   import tfdist  # pylint: disable=g-import-not-at-top
   from tfdist.bench import cluster_worker  # pylint: disable=g-import-not-at-top
-  from tfdist.perf import transport  # pylint: disable=g-import-not-at-top
-  strategy = tfdist.make_strategy("multi_worker_mirrored")
+  from tfdist.strategy import transport  # pylint: disable=g-import-not-at-top
+  strategy = tfdist.make_strategy("multi_worker_mirrored",
+                                  transport="collective")
   n = strategy.num_replicas_in_sync
   if n < 2:
     raise ConfigError(

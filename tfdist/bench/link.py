@@ -2,7 +2,7 @@
 
 What an all-reduce between hosts is measured against. Each worker opens one
 TCP connection to its right neighbour in the ring (the order of
-`tfdist.perf.transport`'s socket ring: chief first, then the workers) and
+`tfdist.strategy.transport`'s socket ring: chief first, then the workers) and
 accepts one from its left neighbour; all of them then send for ``seconds``
 while they receive, as a ring all-reduce does, with blocking ``sendall`` and
 ``recv_into`` of large chunks: the most a plain stream moves, with no
@@ -37,7 +37,7 @@ import time
 
 from tfdist import _net
 from tfdist.errors import StartupTimeoutError
-from tfdist.perf.ring.connection import Rendezvous
+from tfdist.ring.connection import Rendezvous
 
 __all__ = ["measure", "stream_rates", "hop_latency"]
 

@@ -3,7 +3,7 @@
 `with_gradient_options` gives a Keras optimizer gradient compression (fp16 or
 bf16 on the wire, float32 everywhere else), all-reduce packing and a choice
 of transport (TensorFlow's collectives, or tfdist's ring all-reduce over TCP
-sockets, `tfdist.perf.transport`); it works with Keras ``fit``,
+sockets, `tfdist.strategy.transport`); it works with Keras ``fit``,
 `tfdist.fit` and `tfdist.Runner`. `accumulating_step` (for
 the Runner) and `with_accumulation` (for ``fit``) accumulate k micro-batches
 in float32 per all-reduce.
@@ -18,9 +18,9 @@ from tfdist.perf.compression import get_compression
 from tfdist.perf.gradients import GradientOptions
 from tfdist.perf.gradients import gradient_options_of
 from tfdist.perf.gradients import with_gradient_options
-from tfdist.perf.ring import SocketRing
-from tfdist.perf.transport import TRANSPORTS
-from tfdist.perf.transport import close_transports
+from tfdist.ring import SocketRing
+from tfdist.strategy.transport import TRANSPORTS
+from tfdist.strategy.transport import close_transports
 
 __all__ = [
     "COMPRESSIONS",

@@ -12,8 +12,9 @@ on an optimizer instance, so the same optimizer serves Keras ``fit``,
 * ``bytes_per_pack``: the all-reduce packs gradients into chunks of about
   this many bytes (of the wire dtype); 0 sends them as one pack, as
   TensorFlow's default does.
-* ``transport``: ``collective`` (TensorFlow's collectives) or ``socket``
-  (tfdist's ring all-reduce over TCP, `tfdist.perf.transport`: one packed
+* ``transport``: ``auto`` (the default: whatever the strategy's gradients
+  take, `tfdist.strategy.transport`'s rule), ``collective`` (TensorFlow's
+  collectives) or ``socket`` (tfdist's ring all-reduce over TCP: one packed
   float32 buffer per step, the wire dtype from ``compression``, float32
   sums; MultiWorkerMirroredStrategy with one replica per worker).
 
@@ -39,8 +40,8 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 from tfdist.perf import compression as compression_lib
-from tfdist.perf import transport as transport_lib
-from tfdist.perf.ring.connection import ring_ports
+from tfdist.ring.connection import ring_ports
+from tfdist.strategy import transport as transport_lib
 
 __all__ = ["GradientOptions", "with_gradient_options", "gradient_options_of"]
 
@@ -57,7 +58,8 @@ class GradientOptions:
       ``bf16``: the dtype gradients cross the wire in.
     bytes_per_pack: all-reduce packs of about this many bytes; 0 means one
       pack. ``collective`` transport only.
-    transport: one of `tfdist.perf.TRANSPORTS`: ``collective`` or
+    transport: one of `tfdist.perf.TRANSPORTS`: ``auto`` (the strategy's
+      transport, as `tfdist.make_strategy` chose it), ``collective`` or
       ``socket``.
     socket_connect_timeout_seconds: ``socket`` transport: bound on
       connecting the workers at the first step.
@@ -74,7 +76,7 @@ class GradientOptions:
   """
   compression: str = "none"
   bytes_per_pack: int = 0
-  transport: str = "collective"
+  transport: str = "auto"
   socket_connect_timeout_seconds: float = 300.0
   socket_timeout_seconds: float = 300.0
   socket_secret: str | None = dataclasses.field(default=None, repr=False)
@@ -161,28 +163,26 @@ def with_gradient_options(optimizer: Any,
 def _all_reduce(grads_and_vars, codec: compression_lib.Compression,
                 communication, options: GradientOptions) -> list:
   """Sums gradients over replicas; compressed ones travel in the wire dtype."""
-  pairs = list(grads_and_vars)
   context = tf.distribute.get_replica_context()
   if context is None:  # Cross-replica context: nothing to reduce.
-    return pairs
-  present = [i for i, (g, _) in enumerate(pairs) if g is not None]
-  if not present:
-    return pairs
-  grads = [pairs[i][0] for i in present]
-  if options.transport == "socket":
-    reduced = transport_lib.socket_all_reduce(
-        grads, compression=options.compression,
-        connect_timeout_s=options.socket_connect_timeout_seconds,
-        timeout_s=options.socket_timeout_seconds,
-        fallback=lambda ts: _collective(context, ts, codec, communication),
-        secret=options.socket_secret, ports=options.socket_ports,
-        authenticate_values=options.socket_authenticate_values)
-  else:
-    reduced = _collective(context, grads, codec, communication)
-  result = list(pairs)
-  for i, r in zip(present, reduced):
-    result[i] = (r, pairs[i][1])
-  return result
+    return list(grads_and_vars)
+  transport = options.transport
+  if transport == "auto":
+    transport = transport_lib.choice_of(
+        tf.distribute.get_strategy()).transport
+
+  def reduce(grads):
+    if transport == "socket":
+      return transport_lib.socket_all_reduce(
+          grads, compression=options.compression,
+          connect_timeout_s=options.socket_connect_timeout_seconds,
+          timeout_s=options.socket_timeout_seconds,
+          fallback=lambda ts: _collective(context, ts, codec, communication),
+          secret=options.socket_secret, ports=options.socket_ports,
+          authenticate_values=options.socket_authenticate_values)
+    return _collective(context, grads, codec, communication)
+
+  return transport_lib.sum_pairs(grads_and_vars, reduce)
 
 
 def _collective(context, grads, codec: compression_lib.Compression,

@@ -15,6 +15,7 @@ One module per concept:
 | `server`     | ps and worker tasks serving a parameter-server chief         |
 | `introspect` | the one reading of a running strategy (task, chief, workers) |
 | `clean_exit` | multi-worker tasks leave together at a clean exit (bounded)  |
+| `transport`  | what carries the gradients: TensorFlow's collectives or the socket ring (`tfdist.ring`), and the ``auto`` rule |
 """
 
 from tfdist import _lazy

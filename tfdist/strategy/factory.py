@@ -41,6 +41,7 @@ from tfdist.strategy import options as opts
 from tfdist.strategy import server as server_lib
 from tfdist.strategy import startup as startup_lib
 from tfdist.strategy import tpu as tpu_builder
+from tfdist.strategy import transport as transport_lib
 from tfdist.strategy.catalog import STRATEGY_NAMES
 
 __all__ = ["make_strategy", "choose_strategy", "options_for", "STRATEGY_NAMES"]
@@ -124,6 +125,22 @@ _IMPLEMENTATIONS = {
 }
 
 
+def _choose_transport(strategy: Strategy,
+                      o: opts.MultiWorkerMirroredOptions) -> None:
+  """Records what carries ``strategy``'s gradients; the chief logs it."""
+  choice = transport_lib.choose(
+      strategy, o.transport,
+      connect_timeout_s=o.startup_timeout_seconds or 300.0,
+      timeout_s=o.timeout_seconds or 300.0)
+  if strategy.num_replicas_in_sync > 1:
+    transport_lib.agree(strategy, choice,
+                        timeout_s=o.startup_timeout_seconds or 300.0)
+  transport_lib.record(strategy, choice)
+  if introspect.is_chief(strategy):
+    logging.info("tfdist: gradients travel by the %s transport (%s)",
+                 choice.transport, choice.reason)
+
+
 def _build_multi_worker_mirrored(o: opts.MultiWorkerMirroredOptions,
                                  info: ClusterInfo) -> Strategy:
   if info.num_ps:
@@ -148,6 +165,7 @@ def _build_multi_worker_mirrored(o: opts.MultiWorkerMirroredOptions,
           cluster_resolver=resolver_lib.resolver_for(info),
           communication_options=communication)
     clean_exit.register(info, o.exit_timeout_seconds)
+    _choose_transport(strategy, o)
     return strategy
   except tf.errors.UnavailableError as e:
     # The leader ended (its own start-up bound, a crash) while this task
@@ -287,8 +305,9 @@ def make_strategy(name: str = "auto", *,
   # Every strategy tfdist builds runs Keras 3's trainer with its corrections;
   # what cannot be corrected is refused with a ConfigError, and Keras's
   # writing callbacks write from the chief that tfdist's one rule names.
-  keras_compat.apply(host=keras_compat.Host(refusal=ConfigError,
-                                            is_chief=introspect.is_chief))
+  keras_compat.apply(host=keras_compat.Host(
+      refusal=ConfigError, is_chief=introspect.is_chief,
+      all_reduce=transport_lib.keras_all_reduce))
   # From here until training watches signals, nothing can be saved: SIGTERM
   # and SIGUSR1 exit 42 at once, saying so.
   startup_lib.install_stop_handlers()

@@ -17,7 +17,8 @@ __all__ = [
     "DefaultOptions", "OneDeviceOptions", "MirroredOptions",
     "MultiWorkerMirroredOptions", "ParameterServerOptions",
     "CentralStorageOptions", "TPUOptions", "CROSS_DEVICE_OPS",
-    "COLLECTIVE_IMPLEMENTATIONS", "VARIABLE_PARTITIONERS",
+    "COLLECTIVE_IMPLEMENTATIONS", "GRADIENT_TRANSPORTS",
+    "VARIABLE_PARTITIONERS",
 ]
 
 _SOURCE = "make_strategy options"
@@ -26,6 +27,9 @@ _SOURCE = "make_strategy options"
 CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
 #: MultiWorkerMirroredStrategy's collective implementations.
 COLLECTIVE_IMPLEMENTATIONS = ("auto", "ring", "nccl")
+#: What carries MultiWorkerMirroredStrategy's gradient all-reduce
+#: (`tfdist.strategy.transport`): ``auto`` follows its documented rule.
+GRADIENT_TRANSPORTS = ("auto", "collective", "socket")
 #: ParameterServerStrategy's variable partitioners.
 VARIABLE_PARTITIONERS = ("none", "min_size", "fixed", "max_size")
 
@@ -129,6 +133,12 @@ class MultiWorkerMirroredOptions:
       at most this long, so that none leaves while another still talks to
       the coordination service (`tfdist.strategy.clean_exit`). ``None`` leaves at
       once.
+    transport: what carries the gradients of Keras optimizers (``fit``,
+      `tfdist.fit`, `tfdist.Runner`), one of `GRADIENT_TRANSPORTS`:
+      ``collective`` (TensorFlow's), ``socket`` (tfdist's ring over TCP), or
+      ``auto``, the rule of `tfdist.strategy.transport` (the socket ring
+      for CPU workers with a job secret). ``auto`` defers to the
+      ``TFDIST_TRANSPORT`` environment variable when it is set.
   """
   implementation: str = "auto"
   bytes_per_pack: int = 0
@@ -136,9 +146,11 @@ class MultiWorkerMirroredOptions:
   num_workers: int | None = None
   startup_timeout_seconds: float | None = 300.0
   exit_timeout_seconds: float | None = 60.0
+  transport: str = "auto"
 
   def __post_init__(self):
     _one_of("implementation", self.implementation, COLLECTIVE_IMPLEMENTATIONS)
+    _one_of("transport", self.transport, GRADIENT_TRANSPORTS)
     _positive_int("bytes_per_pack", self.bytes_per_pack, allow_zero=True)
     for name in ("timeout_seconds", "startup_timeout_seconds",
                  "exit_timeout_seconds"):

@@ -2,7 +2,7 @@
 
 **Members** prove they hold the job's secret (`tfdist._net.job_secret`, or
 ``SocketRing(secret=...)``) by challenge and response, HMAC-SHA256, on every
-connection (`tfdist.perf.ring.connection` runs it):
+connection (`tfdist.ring.connection` runs it):
 
 1. the dialer sends its hello with a fresh nonce, ``D``;
 2. the acceptor answers with its own hello and fresh nonce, ``A``, and
@@ -36,7 +36,7 @@ import hmac
 
 from tfdist._secret import ACCEPT, DIAL, VALUES, MAC_SIZE, NONCE_SIZE  # pylint: disable=unused-import
 from tfdist._secret import mac, nonce  # pylint: disable=unused-import
-from tfdist.perf.ring import exchange
+from tfdist.ring import exchange
 
 __all__ = ["ACCEPT", "DIAL", "VALUES", "MAC_SIZE", "NONCE_SIZE", "nonce",
            "mac", "Sealer"]

@@ -1,9 +1,32 @@
-"""Gradient transports: what carries the all-reduce of `with_gradient_options`.
+"""Gradient transports: what carries a strategy's gradient all-reduce.
 
 | name         | what carries the gradients                                   |
 |--------------|--------------------------------------------------------------|
-| ``collective`` | TensorFlow's collectives, as MultiWorkerMirroredStrategy does (default) |
-| ``socket``     | tfdist's ring all-reduce over plain TCP (`tfdist.perf.ring`)  |
+| ``collective`` | TensorFlow's collectives, as MultiWorkerMirroredStrategy does |
+| ``socket``     | tfdist's ring all-reduce over plain TCP (`tfdist.ring`)  |
+| ``auto``       | the rule below (the default)                                 |
+
+**Which one, by default.** `tfdist.make_strategy` records a `Choice` for
+each MultiWorkerMirroredStrategy it builds (its ``transport`` option, else
+the ``TFDIST_TRANSPORT`` environment variable, else ``auto``), and every
+Keras optimizer under that strategy (``model.fit``, `tfdist.fit`,
+`tfdist.Runner`) sums its gradients by it (`keras_all_reduce`, installed by
+`tfdist._compat.keras`). `with_gradient_options` forces either per optimizer.
+``auto`` picks the socket ring when all of these hold, else TensorFlow's
+collectives (`auto_rule`):
+
+1. several workers, one replica each (the ring joins processes);
+2. the replicas are CPUs (on GPUs TensorFlow's collectives, NCCL, keep the
+   gradients on the device; the ring copies them to the host);
+3. the job has a secret (``TFDIST_JOB_SECRET``, which ``tfdist launch`` and
+   ``tfdist slurm`` set): without one any process that reaches the ring's
+   port could join it, so it is never opened by default.
+
+Why: measured side by side in one bench run each (docs/benchmarks.md), the
+ring moved float32 gradients faster than TensorFlow's collectives at every
+size from 1 to 64 MiB: 4 to 5 times on loopback, 0.88-0.98 of a 1 Gbit/s
+link against 0.63-0.82, and up to ten times at 10 Gbit/s. Every worker
+applies the rule to the same strategy and environment, so all choose alike.
 
 The ``socket`` transport, step by step:
 
@@ -32,7 +55,7 @@ The ``socket`` transport, step by step:
   in a firewall).
 * **Who may join**: workers prove the job's secret (``TFDIST_JOB_SECRET``,
   which ``tfdist launch`` and ``tfdist slurm`` set, or ``socket_secret``)
-  to each other when they connect (`tfdist.perf.ring.auth`); anything else
+  to each other when they connect (`tfdist.ring.auth`); anything else
   that connects is dropped and the ring keeps waiting for its peer.
   ``socket_authenticate_values`` also tags every step's bytes. Without a
   secret the ring logs once that it is unauthenticated.
@@ -49,24 +72,35 @@ The ``socket`` transport, step by step:
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import os
 import threading
+import time
 import weakref
 import zlib
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from tfdist import _net
+from tfdist import ring as ring_lib
 from tfdist.errors import ConfigError
-from tfdist.perf import ring as ring_lib
-from tfdist.perf.ring import exchange
+from tfdist.errors import StartupTimeoutError
+from tfdist.ring import exchange
 from tfdist.strategy import introspect
 
-__all__ = ["TRANSPORTS", "check_strategy", "peers", "CoordinationRendezvous",
-           "ring_for", "socket_all_reduce", "close_transports"]
+__all__ = ["TRANSPORTS", "TRANSPORT_VARIABLE", "Choice", "auto_rule",
+           "choose", "agree", "record", "choice_of", "keras_all_reduce", "sum_pairs",
+           "check_strategy", "peers", "CoordinationRendezvous", "ring_for",
+           "socket_all_reduce", "rings_of", "close_transports"]
 
-#: Every transport name `GradientOptions` accepts.
-TRANSPORTS: tuple[str, ...] = ("collective", "socket")
+#: Every transport name `make_strategy` and `GradientOptions` accept.
+TRANSPORTS: tuple[str, ...] = ("auto", "collective", "socket")
+
+#: The environment variable that sets the transport where the option is
+#: ``auto`` (e.g. ``TFDIST_TRANSPORT=collective`` for a whole job).
+TRANSPORT_VARIABLE = _net.TRANSPORT_VARIABLE
 
 _SOURCE = "GradientOptions(transport='socket')"
 _KEY_PREFIX = "tfdist/socket_transport"
@@ -78,9 +112,203 @@ _WIRE = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
 _PACKED = (tf.float32, tf.float16, tf.bfloat16)
 
 _lock = threading.Lock()
+_chosen: "weakref.WeakKeyDictionary[Any, Choice]" = weakref.WeakKeyDictionary()
 _rings: dict[tuple, tuple[Any, ring_lib.SocketRing]] = {}
 _ring_count = 0
 _atexit_registered = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Choice:
+  """The transport a strategy's gradients take, and why.
+
+  Attributes:
+    transport: ``collective`` or ``socket``.
+    reason: why, in words (logged by the chief, shown by `choice_of`).
+    connect_timeout_s: the ring's bound on connecting (``socket``).
+    timeout_s: a ring peer silent this long is lost (``socket``).
+  """
+  transport: str
+  reason: str
+  connect_timeout_s: float = 300.0
+  timeout_s: float = 300.0
+
+
+_NOT_RECORDED = Choice(transport="collective",
+                       reason="a strategy tfdist.make_strategy did not build")
+
+
+def auto_rule(*, workers: int, local_devices: Sequence[str],
+              secret: bool) -> tuple[str, str]:
+  """``auto``'s transport, and why, for a MultiWorkerMirroredStrategy.
+
+  Args:
+    workers: the processes of the cluster (chief and workers).
+    local_devices: this worker's replica devices.
+    secret: whether the job has a secret (``TFDIST_JOB_SECRET``).
+
+  Returns:
+    ``(transport, reason)``.
+  """
+  if workers < 2:
+    return "collective", "one worker: nothing crosses between processes"
+  if len(local_devices) != 1:
+    return "collective", (f"{len(local_devices)} replicas on each worker; "
+                          "the ring carries one per process")
+  if any(":GPU:" in d.upper() or ":TPU:" in d.upper() for d in local_devices):
+    return "collective", ("replicas on accelerators: TensorFlow's "
+                          "collectives keep the gradients on the device")
+  if not secret:
+    return "collective", (
+        f"no job secret ({_net.JOB_SECRET_VARIABLE}): the ring would let any "
+        "process that reaches its port join it; tfdist launch and tfdist "
+        "slurm set one")
+  return "socket", (f"{workers} CPU workers with a job secret: the ring "
+                    "moves gradients faster than TensorFlow's collectives "
+                    "(docs/benchmarks.md)")
+
+
+def choose(strategy, requested: str = "auto", *,
+           connect_timeout_s: float = 300.0, timeout_s: float = 300.0,
+           environ: Mapping[str, str] | None = None) -> Choice:
+  """The transport of a MultiWorkerMirroredStrategy's gradients.
+
+  Args:
+    strategy: the strategy.
+    requested: one of `TRANSPORTS`; ``auto`` reads `TRANSPORT_VARIABLE`
+      first, then applies `auto_rule`.
+    connect_timeout_s: the ring's bound on connecting.
+    timeout_s: a ring peer silent this long is lost.
+    environ: the environment (``os.environ`` when omitted).
+
+  Raises:
+    ConfigError: an unknown `TRANSPORT_VARIABLE` value, or ``socket`` for a
+      strategy the ring cannot serve.
+  """
+  environ = os.environ if environ is None else environ
+  source = "make_strategy option transport"
+  if requested == "auto" and environ.get(TRANSPORT_VARIABLE):
+    requested = environ[TRANSPORT_VARIABLE]
+    source = f"the {TRANSPORT_VARIABLE} environment variable"
+    if requested not in TRANSPORTS:
+      raise ConfigError(field=TRANSPORT_VARIABLE, value=requested,
+                        source=source, expected=f"one of {list(TRANSPORTS)}")
+  timeouts = {"connect_timeout_s": float(connect_timeout_s),
+              "timeout_s": float(timeout_s)}
+  if requested == "collective":
+    return Choice(transport="collective", reason=f"asked for by {source}")
+  if requested == "socket":
+    if not check_strategy(strategy, source):
+      return Choice(transport="collective",
+                    reason="one replica: nothing to reduce")
+    return Choice(transport="socket", reason=f"asked for by {source}",
+                  **timeouts)
+  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    return Choice(transport="collective", reason=(
+        f"auto: {type(strategy).__name__} reduces within one process"))
+  _, _, spec = introspect.task_of(strategy)
+  transport, reason = auto_rule(
+      workers=sum(len(_addresses(spec.get(job, ())))
+                  for job in ("chief", "worker")),
+      local_devices=list(strategy.extended.worker_devices),
+      secret=_net.job_secret(environ) is not None)
+  return Choice(transport=transport, reason=f"auto: {reason}", **timeouts)
+
+
+def agree(strategy, choice: Choice, *, timeout_s: float,
+          rendezvous: ring_lib.Rendezvous | None = None) -> None:
+  """Checks that every worker of ``strategy`` made the same ``choice``.
+
+  Each task publishes its transport in the coordination service and reads
+  every other task's, within ``timeout_s`` in all: workers that differ (a
+  job secret or ``TFDIST_TRANSPORT`` set on some only) would otherwise wait
+  on each other at the first step, one in the ring and one in a collective.
+
+  Raises:
+    ConfigError: a task chose another transport; names it and why.
+    StartupTimeoutError: a task did not publish its choice in time.
+  """
+  rendezvous = rendezvous or CoordinationRendezvous()
+  task_type, task_id, spec = introspect.task_of(strategy)
+  me = f"{task_type}:{task_id}"
+  tasks = [f"{job}:{i}" for job in ("chief", "worker")
+           for i in range(len(_addresses(spec.get(job, ()))))]
+  rendezvous.publish(f"{_KEY_PREFIX}/choice/{me}",
+                     f"{choice.transport}|{choice.reason}")
+  deadline = time.monotonic() + timeout_s
+  for task in tasks:
+    if task == me:
+      continue
+    try:
+      value = rendezvous.lookup(f"{_KEY_PREFIX}/choice/{task}",
+                                max(0.001, deadline - time.monotonic()))
+    except TimeoutError:
+      raise StartupTimeoutError(
+          f"transport: {me} waited {timeout_s:.0f} s for {task} to say "
+          "which transport carries its gradients; is it running "
+          "tfdist.make_strategy too?") from None
+    transport, _, reason = value.partition("|")
+    if transport != choice.transport:
+      raise ConfigError(
+          field="transport", value=f"{choice.transport} on {me}",
+          source=f"make_strategy ({choice.reason})",
+          expected=f"the same on every worker; {task} chose {transport} "
+                   f"({reason})",
+          hint=f"Set {_net.JOB_SECRET_VARIABLE} and {TRANSPORT_VARIABLE} "
+               "alike on every worker (tfdist launch and tfdist slurm do)")
+
+
+def record(strategy, choice: Choice) -> None:
+  """Makes ``choice`` the transport of ``strategy``'s Keras optimizers."""
+  with _lock:
+    _chosen[strategy] = choice
+
+
+def choice_of(strategy) -> Choice:
+  """The `Choice` recorded for ``strategy`` (collective if none was)."""
+  with _lock:
+    return _chosen.get(strategy, _NOT_RECORDED)
+
+
+def sum_pairs(pairs: Sequence[tuple[Any, Any]],
+              reduce: Callable[[list[Any]], list[Any]]) -> list:
+  """``pairs`` (gradient, variable) with every gradient not ``None`` summed.
+
+  ``reduce`` sums the gradients present, in order, in one call.
+  """
+  pairs = list(pairs)
+  present = [i for i, (g, _) in enumerate(pairs) if g is not None]
+  if not present:
+    return pairs
+  result = list(pairs)
+  for i, r in zip(present, reduce([pairs[i][0] for i in present])):
+    result[i] = (r, pairs[i][1])
+  return result
+
+
+def keras_all_reduce(grads_and_vars) -> list | None:
+  """A Keras optimizer's gradients summed by its strategy's transport.
+
+  What `tfdist._compat.keras` routes ``_all_reduce_sum_gradients`` of every
+  Keras optimizer through.
+
+  Returns:
+    The summed ``(gradient, variable)`` pairs, or ``None`` where TensorFlow's
+    collectives carry them (Keras's own code then runs).
+  """
+  context = tf.distribute.get_replica_context()
+  if context is None:
+    return None
+  choice = choice_of(tf.distribute.get_strategy())
+  if choice.transport != "socket":
+    return None
+
+  def collective(tensors):
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
+
+  return sum_pairs(grads_and_vars, lambda grads: socket_all_reduce(
+      grads, compression="none", connect_timeout_s=choice.connect_timeout_s,
+      timeout_s=choice.timeout_s, fallback=collective))
 
 
 class CoordinationRendezvous:
@@ -99,39 +327,44 @@ class CoordinationRendezvous:
       raise TimeoutError(key) from None
 
 
-def _unsupported(strategy, why: str) -> ConfigError:
+def _unsupported(strategy, why: str, source: str) -> ConfigError:
   return ConfigError(
-      field="transport", value="socket", source=_SOURCE,
+      field="transport", value="socket", source=source,
       expected=("MultiWorkerMirroredStrategy with one replica per worker, or "
                 "a single replica"),
       hint=f"{type(strategy).__name__} {why}; use transport='collective' "
            "there")
 
 
-def check_strategy(strategy) -> bool:
+def check_strategy(strategy, source: str = _SOURCE) -> bool:
   """Whether ``strategy`` needs the ring (True) or has one replica (False).
+
+  Args:
+    strategy: the strategy.
+    source: where ``transport="socket"`` was asked for, for errors.
 
   Raises:
     ConfigError: a strategy the socket transport cannot serve.
   """
   if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
     raise _unsupported(strategy, "updates variables on ps tasks, it has no "
-                       "all-reduce to replace")
+                       "all-reduce to replace", source)
   if isinstance(strategy, (tf.distribute.TPUStrategy,
                            tf.distribute.experimental.TPUStrategy)):
-    raise _unsupported(strategy, "reduces on the TPU interconnect")
+    raise _unsupported(strategy, "reduces on the TPU interconnect", source)
   if isinstance(strategy,
                 tf.distribute.experimental.CentralStorageStrategy):
-    raise _unsupported(strategy, "keeps variables on one device")
+    raise _unsupported(strategy, "keeps variables on one device", source)
   if strategy.num_replicas_in_sync == 1:
     return False
   if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
     raise _unsupported(strategy, f"has {strategy.num_replicas_in_sync} "
-                       "replicas in one process")
+                       "replicas in one process", source)
   local = len(strategy.extended.worker_devices)
   if local != 1:
     raise _unsupported(strategy, f"has {local} replicas on each worker "
-                       f"({', '.join(strategy.extended.worker_devices)})")
+                       f"({', '.join(strategy.extended.worker_devices)})",
+                       source)
   return True
 
 
@@ -179,7 +412,7 @@ def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
       ``None``.
     authenticate_values: tag every step's bytes too.
     threaded_bytes: steps receiving this many bytes or more run a sending
-      and a receiving thread (`tfdist.perf.ring.exchange`).
+      and a receiving thread (`tfdist.ring.exchange`).
 
   Returns:
     ``None`` when the strategy has a single replica.
@@ -214,6 +447,12 @@ def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
       atexit.register(close_transports)
       _atexit_registered = True
     return ring
+
+
+def rings_of(strategy) -> list[ring_lib.SocketRing]:
+  """The socket rings this process made for ``strategy``'s workers."""
+  with _lock:
+    return [ring for ref, ring in _rings.values() if ref() is strategy]
 
 
 def close_transports() -> None:

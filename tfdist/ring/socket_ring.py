@@ -5,7 +5,7 @@ Horovod's ring all-reduce does: the buffer is cut into ``n`` segments; in
 ``n - 1`` reduce-scatter steps each process sends one segment to its right
 neighbour and adds the segment received from its left one, so each ends up
 owning one fully summed segment; in ``n - 1`` all-gather steps the owned
-segments travel round the ring (`tfdist.perf.ring.schedule`). Each process
+segments travel round the ring (`tfdist.ring.schedule`). Each process
 sends and receives ``2 (n - 1) / n`` of the buffer, the least any
 all-reduce can.
 
@@ -16,17 +16,17 @@ all-reduce can.
   with the same bits.
 * **Pipelining**: a step moves its segment in blocks of ``block_bytes`` (of
   float32); one thread writes to the right neighbour and reads from the
-  left with non-blocking sockets (`tfdist.perf.ring.exchange`), encoding a
+  left with non-blocking sockets (`tfdist.ring.exchange`), encoding a
   block just before it is sent and adding a block as soon as it is in, so
   the working set stays in cache. No helper threads, no hand-offs: an
   all-reduce of a few values takes about two round trips.
 * **In place**: ``out=data`` sums into the input (no output buffer; what
   the TensorFlow glue does with its packed gradients).
-* **Connection** (`tfdist.perf.ring.connection`): at the first call, or on
+* **Connection** (`tfdist.ring.connection`): at the first call, or on
   `SocketRing.connect`, through a `Rendezvous`, listening on this process's
   own address within ``ports``; a stray connection is dropped and waited
   past.
-* **Security** (`tfdist.perf.ring.auth`): with a job secret (``secret``, or
+* **Security** (`tfdist.ring.auth`): with a job secret (``secret``, or
   ``TFDIST_JOB_SECRET``) every connection proves both ends hold it, by
   challenge and response with fresh nonces, so a stranger, or a recorded
   hello replayed, is dropped; with ``authenticate_values`` every step's
@@ -34,7 +34,7 @@ all-reduce can.
   from them is sent on or returned. Without a secret the ring logs once
   that it is unauthenticated. Nothing is encrypted.
 * **Ordering check**: every call starts with a header
-  (`tfdist.perf.ring.wire`) that must match the left neighbour's, so
+  (`tfdist.ring.wire`) that must match the left neighbour's, so
   processes that call in a different order fail loudly instead of adding
   unrelated numbers.
 * **Timeouts**: connecting is bounded by ``connect_timeout_s``; during an
@@ -44,7 +44,7 @@ all-reduce can.
   closed and every later call raises the same error.
 
 Pure Python, numpy and ``ml_dtypes`` (for bfloat16, a TensorFlow
-dependency); no TensorFlow here (`tfdist.perf.transport` connects it to a
+dependency); no TensorFlow here (`tfdist.strategy.transport` connects it to a
 strategy).
 
 Example (one process per rank; ``rendezvous`` shared, e.g. TensorFlow's
@@ -67,15 +67,15 @@ import numpy as np
 from tfdist import _net
 from tfdist.errors import ConfigError
 from tfdist.errors import WorkerLostError
-from tfdist.perf.ring import auth
-from tfdist.perf.ring import connection
-from tfdist.perf.ring import exchange
-from tfdist.perf.ring import schedule
-from tfdist.perf.ring import wire as wire_lib
-from tfdist.perf.ring.wire import WIRE_DTYPES
-from tfdist.perf.ring.wire import as_bytes
-from tfdist.perf.ring.wire import decode
-from tfdist.perf.ring.wire import encode
+from tfdist.ring import auth
+from tfdist.ring import connection
+from tfdist.ring import exchange
+from tfdist.ring import schedule
+from tfdist.ring import wire as wire_lib
+from tfdist.ring.wire import WIRE_DTYPES
+from tfdist.ring.wire import as_bytes
+from tfdist.ring.wire import decode
+from tfdist.ring.wire import encode
 
 __all__ = ["SocketRing", "DEFAULT_BLOCK_BYTES"]
 
@@ -120,7 +120,7 @@ class SocketRing:
       values altered on the way fail the call; costs hashing every byte
       sent and received. Needs a secret.
     threaded_bytes: steps that receive at least this many bytes run a
-      sending and a receiving thread (`tfdist.perf.ring.exchange`).
+      sending and a receiving thread (`tfdist.ring.exchange`).
 
   Raises:
     ConfigError: a rank out of range, a non-positive timeout or
@@ -183,6 +183,11 @@ class SocketRing:
   @property
   def connected(self) -> bool:
     return self._link is not None
+
+  @property
+  def calls(self) -> int:
+    """The calls (all-reduces and exchanges) this ring has started."""
+    return self._calls
 
   # Connection.
 
@@ -381,7 +386,7 @@ class SocketRing:
               header: bytes) -> None:
     """Sums ``x`` into ``out`` over the ring; the header goes first.
 
-    Reduce-scatter, then all-gather, by `tfdist.perf.ring.schedule`, for
+    Reduce-scatter, then all-gather, by `tfdist.ring.schedule`, for
     every ring of two or more processes. A segment is never written in the
     step that sends it, so ``out`` may be ``x``.
     """

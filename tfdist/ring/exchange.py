@@ -64,7 +64,7 @@ class Link:
     timeout_s: a direction that moves nothing for this long has lost its
       peer.
     seal: what each step's sends and receives become before they move
-      (e.g. `tfdist.perf.ring.auth.Sealer.seal`, adding tags); as given
+      (e.g. `tfdist.ring.auth.Sealer.seal`, adding tags); as given
       when ``None``.
     threaded_bytes: steps receiving at least this many bytes are moved by
       a sending and a receiving thread; smaller ones by one polling thread.

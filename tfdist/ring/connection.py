@@ -6,7 +6,7 @@ operating system picks or the first free one of a range
 (``ports``, or `RING_PORTS_VARIABLE`), publishes it under ``key/rank``
 through a `Rendezvous`, connects to its right neighbour and accepts its left
 one. Hellos go each way with the challenge and response of
-`tfdist.perf.ring.auth`, so only holders of the job's secret join.
+`tfdist.ring.auth`, so only holders of the job's secret join.
 
 One loop over non-blocking sockets serves the dial and every incoming
 connection at once: a stranger (a scanner, random bytes, a half or replayed
@@ -45,8 +45,8 @@ from absl import logging
 from tfdist import _net
 from tfdist.errors import ConfigError
 from tfdist.errors import StartupTimeoutError
-from tfdist.perf.ring import auth
-from tfdist.perf.ring import wire
+from tfdist.ring import auth
+from tfdist.ring import wire
 
 __all__ = ["RING_PORTS_VARIABLE", "Rendezvous", "Members", "Neighbours",
            "ring_ports", "listen", "handshake"]
@@ -231,7 +231,7 @@ def listen(members: Members, *, ports: range | None = None,
 
 @dataclasses.dataclass(frozen=True)
 class Neighbours:
-  """A joined ring's two connections and their keys (`tfdist.perf.ring.auth`).
+  """A joined ring's two connections and their keys (`tfdist.ring.auth`).
 
   Attributes:
     left: the blocking socket from the left neighbour.
@@ -373,7 +373,10 @@ class _Join:
         f"socket transport: {members.me} waited {self._timeout_s:.0f} s for "
         f"{members.describe(rank)} to {what}; is that worker running and at "
         "the same step, with the same job secret, and can this host reach it "
-        "over TCP?" + (f" Dropped meanwhile: {dropped}." if dropped else ""))
+        f"over TCP (a firewall: open a range and set {RING_PORTS_VARIABLE}, "
+        f"or set {_net.TRANSPORT_VARIABLE}=collective on every worker to use "
+        "TensorFlow's collectives)?"
+        + (f" Dropped meanwhile: {dropped}." if dropped else ""))
 
   def _name(self, conn: _Conn) -> str:
     if conn.dialed:

@@ -11,10 +11,10 @@ One module per seam, each testable alone:
 * `socket_ring`: `SocketRing`, composing them.
 """
 
-from tfdist.perf.ring.connection import Rendezvous
-from tfdist.perf.ring.socket_ring import DEFAULT_BLOCK_BYTES
-from tfdist.perf.ring.socket_ring import SocketRing
-from tfdist.perf.ring.wire import WIRE_DTYPES
+from tfdist.ring.connection import Rendezvous
+from tfdist.ring.socket_ring import DEFAULT_BLOCK_BYTES
+from tfdist.ring.socket_ring import SocketRing
+from tfdist.ring.wire import WIRE_DTYPES
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
