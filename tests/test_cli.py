@@ -68,6 +68,36 @@ class InfoTest(parameterized.TestCase):
     port_check, = [c for c in report["checks"] if c["name"] == "port"]
     self.assertTrue(port_check["ok"])
 
+  @parameterized.named_parameters(
+      ("job_secret_the_ring", {"TFDIST_JOB_SECRET": "s"}, "socket",
+       "auto: 2 CPU workers with a job secret"),
+      ("no_secret_tensorflow_collectives", {"TFDIST_JOB_SECRET": ""},
+       "collective", "auto: no job secret (TFDIST_JOB_SECRET)"),
+      ("forced_by_the_variable",
+       {"TFDIST_JOB_SECRET": "s", "TFDIST_TRANSPORT": "collective"},
+       "collective", "asked for by the TFDIST_TRANSPORT environment variable"),
+  )
+  def test_gradient_transport_of_a_multi_worker_cluster(self, env, transport,
+                                                        why):
+    p0, p1 = cluster_utils.free_ports(2)
+    config = json.loads(json.dumps(TWO_WORKERS).replace("{p0}", str(p0))
+                        .replace("{p1}", str(p1)))
+    r = _tfdist("info", env={"TF_CONFIG": json.dumps(config), **env})
+    self.assertEqual(r.returncode, 0, r.stderr)
+    self.assertIn(f"gradients: {transport} transport ({why}", r.stdout)
+
+  def test_unknown_transport_variable_is_a_one_line_error(self):
+    p0, p1 = cluster_utils.free_ports(2)
+    config = json.loads(json.dumps(TWO_WORKERS).replace("{p0}", str(p0))
+                        .replace("{p1}", str(p1)))
+    r = _tfdist("info", env={"TF_CONFIG": json.dumps(config),
+                             "TFDIST_TRANSPORT": "tcp"})
+    self.assertEqual(r.returncode, 2, r.stderr)
+    self.assertEqual(
+        r.stderr.strip().splitlines()[-1],
+        "tfdist: TFDIST_TRANSPORT: received 'tcp'; expected one of ['auto', "
+        "'collective', 'socket'] (the TFDIST_TRANSPORT environment variable)")
+
   def test_port_taken_fails_the_check(self):
     with socket.socket() as s:
       s.bind(("127.0.0.1", 0))
@@ -84,6 +114,7 @@ class InfoTest(parameterized.TestCase):
     r = _tfdist("info")
     self.assertEqual(r.returncode, 0, r.stderr)
     self.assertIn("strategy: default", r.stdout)
+    self.assertNotIn("gradients:", r.stdout)  # One process: nothing crosses.
     self.assertIn(f"system:   {platform.platform()}, {os.cpu_count()} CPUs",
                   r.stdout)
     self.assertIn("cuda:     built with CUDA ", r.stdout)

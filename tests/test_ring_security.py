@@ -6,6 +6,7 @@ connects first and stalls, port scanners, a relay that alters values after
 start-up; and the ring's ports and address.
 """
 
+import ipaddress
 import os
 import socket
 import threading
@@ -432,13 +433,33 @@ class AddressTest(parameterized.TestCase):
     with listener:
       self.assertEqual(listener.getsockname()[0], "127.0.0.2")
 
-  def test_foreign_address_listens_everywhere_and_says_so(self):
-    members = _members(0, 2, hosts=["192.0.2.1", "192.0.2.2"])  # TEST-NET.
+  def _listens_everywhere(self, hosts, why):
+    """``listen`` falls back to every interface, says ``why``, takes IPv4."""
     with self.assertLogs("absl", "WARNING") as logs:
-      listener = connection.listen(members)
+      listener = connection.listen(_members(0, 2, hosts=hosts))
     with listener:
       self.assertIn(listener.getsockname()[0], ("::", "0.0.0.0"))
-    self.assertIn("listens on every interface", "\n".join(logs.output))
+      with socket.create_connection(
+          ("127.0.0.1", listener.getsockname()[1]), timeout=5):
+        accepted, _ = listener.accept()  # An IPv6 listener takes IPv4 too.
+        accepted.close()
+    said = "\n".join(logs.output)
+    self.assertIn("listens on every interface", said)
+    self.assertIn(why, said)
+
+  def test_foreign_address_listens_everywhere_and_says_so(self):
+    self._listens_everywhere(["192.0.2.1", "192.0.2.2"],  # TEST-NET.
+                             "192.0.2.1 is not one of this host's")
+
+  def test_name_resolving_to_loopback_listens_everywhere(self):
+    # Debian maps a host's own name to a loopback address (SLURM node names
+    # here); peers could not reach a listener there.
+    name = socket.gethostname()
+    address = socket.getaddrinfo(name, 0, type=socket.SOCK_STREAM)[0][4][0]
+    if not ipaddress.ip_address(address).is_loopback:
+      self.skipTest(f"{name} resolves to {address} here, not to loopback")
+    self._listens_everywhere([name, name],
+                             f"{name} resolves to {address} here")
 
   def test_no_secret_warns_once_and_still_works(self):
     socket_ring._warned_unauthenticated = False

@@ -202,7 +202,7 @@ class ClusterTest(parameterized.TestCase):
     _, outs = _cluster("default", env={"TFDIST_JOB_SECRET": secret})
     for out in outs:
       self.assertEqual(out["transport"], default, out["reason"])
-      for how in ("keras_fit", "fit", "runner"):
+      for how in ("keras_fit", "fit", "runner", "keras_fit_sparse"):
         calls = {t: out[f"{how}_{t}_ring_calls"]
                  for t in ("default", "collective", "socket")}
         self.assertEqual(calls["collective"], 0, how)

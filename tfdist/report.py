@@ -39,7 +39,9 @@ def gather(*, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 
   Returns:
     `ClusterInfo.to_dict` of the resolved cluster plus ``strategy``,
-    ``strategy_reason``, ``is_chief``, ``address``, ``versions``,
+    ``strategy_reason``, ``gradient_transport`` and its ``_reason`` (what
+    carries the gradients of a multi-worker strategy, `None` for others),
+    ``is_chief``, ``address``, ``versions``,
     ``devices``, ``python``, ``system`` (``os``, ``cpus``, ``cuda_build``,
     ``cudnn_build``, ``gpus``: the names the driver lists, ``driver``: its
     version or ``None``), ``keras_corrections`` (each correction's name to
@@ -54,12 +56,21 @@ def gather(*, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
   from tfdist._compat import keras as keras_compat  # Imports Keras.
   from tfdist.cluster import local as local_lib  # Imports TensorFlow.
   from tfdist.strategy import factory
+  from tfdist.strategy import transport as transport_lib
 
   devices = local_lib.local_devices()
   name, why = factory.choose_strategy(info, devices)
+  gradients = (None, None)
+  if name == "multi_worker_mirrored":  # Each worker's GPUs, else its CPU.
+    gpus = devices.get("GPU", 0)
+    gradients = transport_lib.plan(
+        workers=max(info.num_workers, 1),
+        local_devices=[f"/device:GPU:{i}" for i in range(gpus)]
+        or ["/device:CPU:0"], environ=environ)
   report = info.to_dict()
   report.update(
-      strategy=name, strategy_reason=why, is_chief=info.is_chief,
+      strategy=name, strategy_reason=why, gradient_transport=gradients[0],
+      gradient_transport_reason=gradients[1], is_chief=info.is_chief,
       address=info.address, versions=_versions(), devices=devices,
       python=platform.python_version(), system=_system(),
       keras_corrections={fix.name: list(keras_compat.changed_targets(fix))
@@ -93,6 +104,9 @@ def format_report(report: Mapping[str, Any]) -> str:
   if report.get("tpu"):
     lines.append(f"tpu:      {report['tpu']}")
   lines.append(f"strategy: {report['strategy']} (auto: {report['strategy_reason']})")
+  if report.get("gradient_transport"):
+    lines.append(f"gradients: {report['gradient_transport']} transport "
+                 f"({report['gradient_transport_reason']})")
   for check in report["checks"]:
     mark = "ok  " if check["ok"] else "FAIL"
     lines.append(f"check:    [{mark}] {check['name']}: {check['detail']}")

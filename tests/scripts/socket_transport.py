@@ -140,11 +140,30 @@ def _keras_fit(options):
   return job_common.weights(model)
 
 
+def _keras_fit_sparse(options):
+  """``model.fit`` of a model with an Embedding (sparse gradients)."""
+  rng = np.random.default_rng(0)
+  ids = rng.integers(0, 50, size=(48, 4)).astype("int32")
+  y = rng.normal(size=(48, 1)).astype("float32")
+  keras.utils.set_random_seed(3)
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((4,), dtype="int32"),
+                              keras.layers.Embedding(50, 3),
+                              keras.layers.Flatten(), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.05)
+    if options is not None:
+      optimizer = perf.with_gradient_options(optimizer, options)
+    model.compile(optimizer=optimizer, loss="mse")
+  model.fit(ids, y, batch_size=job_common.GLOBAL_BATCH, epochs=2,
+            shuffle=False, verbose=0)
+  return job_common.weights(model)
+
+
 def default():
   choice = transport.choice_of(strategy)
   out = {"transport": choice.transport, "reason": choice.reason}
   for name, run in (("keras_fit", _keras_fit), ("fit", _fit),
-                    ("runner", _runner)):
+                    ("runner", _runner), ("keras_fit_sparse", _keras_fit_sparse)):
     for how, options in (
         ("default", None),
         ("collective", perf.GradientOptions(transport="collective")),

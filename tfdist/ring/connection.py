@@ -161,8 +161,11 @@ def ring_ports(ports: str | None, *, source: str,
   return range(first, last + 1)
 
 
-def _bind(family: int, address: tuple, ports: range | None) -> socket.socket:
+def _bind(family: int, address: tuple, ports: range | None, *,
+          dualstack: bool = False) -> socket.socket:
   """A listener on the first port of ``ports`` free at ``address``.
+
+  ``dualstack``: an IPv6 listener that takes IPv4 connections too.
 
   Raises:
     OSError: the last port's error (EADDRNOTAVAIL at once: not this host's).
@@ -171,7 +174,8 @@ def _bind(family: int, address: tuple, ports: range | None) -> socket.socket:
   for port in ports or (0,):
     try:
       return socket.create_server((address[0], port) + tuple(address[2:]),
-                                  family=family, backlog=_PENDING_MAX)
+                                  family=family, backlog=_PENDING_MAX,
+                                  dualstack_ipv6=dualstack)
     except OSError as e:
       if e.errno == errno.EADDRNOTAVAIL:
         raise
@@ -204,10 +208,10 @@ def listen(members: Members, *, ports: range | None = None,
   except socket.gaierror as e:
     raise _bad_host(members, members.rank, e) from None
   try:
-    if _net.is_loopback(address[0]) and not _net.is_loopback(host):
-      raise OSError(errno.EADDRNOTAVAIL, f"{host} resolves to {address[0]} "
-                    "here, which its peers cannot reach")
     try:
+      if _net.is_loopback(address[0]) and not _net.is_loopback(host):
+        raise OSError(errno.EADDRNOTAVAIL, f"{host} resolves to "
+                      f"{address[0]} here, which its peers cannot reach")
       return _bind(family, address, ports)
     except OSError as e:
       if e.errno != errno.EADDRNOTAVAIL:
@@ -217,7 +221,7 @@ def listen(members: Members, *, ports: range | None = None,
         "socket transport: %s's address %s is not one of this host's (%s); "
         "its ring listens on every interface", members.me, host, why)
     if socket.has_dualstack_ipv6():
-      return _bind(socket.AF_INET6, ("", 0), ports)
+      return _bind(socket.AF_INET6, ("", 0), ports, dualstack=True)
     return _bind(socket.AF_INET, ("", 0), ports)
   except OSError as e:
     if ports is None:

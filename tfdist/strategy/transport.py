@@ -22,6 +22,10 @@ collectives (`auto_rule`):
    ``tfdist slurm`` set): without one any process that reaches the ring's
    port could join it, so it is never opened by default.
 
+Sparse gradients (an ``Embedding``'s ``IndexedSlices``) keep TensorFlow's
+collectives by default, which gather the rows a step touched; the ring
+would carry the whole table, made dense, every step.
+
 Why: measured side by side in one bench run each (docs/benchmarks.md), the
 ring moved float32 gradients faster than TensorFlow's collectives at every
 size from 1 to 64 MiB: 4 to 5 times on loopback, 0.88-0.98 of a 1 Gbit/s
@@ -91,7 +95,7 @@ from tfdist.ring import exchange
 from tfdist.strategy import introspect
 
 __all__ = ["TRANSPORTS", "TRANSPORT_VARIABLE", "Choice", "auto_rule",
-           "choose", "agree", "record", "choice_of", "keras_all_reduce", "sum_pairs",
+           "choose", "plan", "agree", "record", "choice_of", "keras_all_reduce", "sum_pairs",
            "check_strategy", "peers", "CoordinationRendezvous", "ring_for",
            "socket_all_reduce", "rings_of", "close_transports"]
 
@@ -186,13 +190,7 @@ def choose(strategy, requested: str = "auto", *,
       strategy the ring cannot serve.
   """
   environ = os.environ if environ is None else environ
-  source = "make_strategy option transport"
-  if requested == "auto" and environ.get(TRANSPORT_VARIABLE):
-    requested = environ[TRANSPORT_VARIABLE]
-    source = f"the {TRANSPORT_VARIABLE} environment variable"
-    if requested not in TRANSPORTS:
-      raise ConfigError(field=TRANSPORT_VARIABLE, value=requested,
-                        source=source, expected=f"one of {list(TRANSPORTS)}")
+  requested, source = _requested(requested, environ)
   timeouts = {"connect_timeout_s": float(connect_timeout_s),
               "timeout_s": float(timeout_s)}
   if requested == "collective":
@@ -207,12 +205,42 @@ def choose(strategy, requested: str = "auto", *,
     return Choice(transport="collective", reason=(
         f"auto: {type(strategy).__name__} reduces within one process"))
   _, _, spec = introspect.task_of(strategy)
-  transport, reason = auto_rule(
+  transport, reason = plan(
       workers=sum(len(_addresses(spec.get(job, ())))
                   for job in ("chief", "worker")),
-      local_devices=list(strategy.extended.worker_devices),
-      secret=_net.job_secret(environ) is not None)
-  return Choice(transport=transport, reason=f"auto: {reason}", **timeouts)
+      local_devices=list(strategy.extended.worker_devices), environ=environ)
+  return Choice(transport=transport, reason=reason, **timeouts)
+
+
+def plan(*, workers: int, local_devices: Sequence[str],
+         environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+  """What ``auto`` will choose for a MultiWorkerMirrored cluster, and why.
+
+  From the cluster's shape, before TensorFlow starts (``tfdist info``):
+  `TRANSPORT_VARIABLE` when it is set, else `auto_rule`.
+
+  Raises:
+    ConfigError: an unknown `TRANSPORT_VARIABLE` value.
+  """
+  environ = os.environ if environ is None else environ
+  requested, source = _requested("auto", environ)
+  if requested != "auto":
+    return requested, f"asked for by {source}"
+  transport, reason = auto_rule(workers=workers, local_devices=local_devices,
+                                secret=_net.job_secret(environ) is not None)
+  return transport, f"auto: {reason}"
+
+
+def _requested(requested: str, environ: Mapping[str, str]) -> tuple[str, str]:
+  """``requested``, or `TRANSPORT_VARIABLE` for ``auto``; where it came from."""
+  value = environ.get(TRANSPORT_VARIABLE)
+  if requested != "auto" or not value:
+    return requested, "make_strategy option transport"
+  source = f"the {TRANSPORT_VARIABLE} environment variable"
+  if value not in TRANSPORTS:
+    raise ConfigError(field=TRANSPORT_VARIABLE, value=value, source=source,
+                      expected=f"one of {list(TRANSPORTS)}")
+  return value, source
 
 
 def agree(strategy, choice: Choice, *, timeout_s: float,
@@ -308,7 +336,7 @@ def keras_all_reduce(grads_and_vars) -> list | None:
 
   return sum_pairs(grads_and_vars, lambda grads: socket_all_reduce(
       grads, compression="none", connect_timeout_s=choice.connect_timeout_s,
-      timeout_s=choice.timeout_s, fallback=collective))
+      timeout_s=choice.timeout_s, fallback=collective, keep_sparse=True))
 
 
 class CoordinationRendezvous:
@@ -480,7 +508,8 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
                       connect_timeout_s: float, timeout_s: float,
                       fallback, secret: str | None = None,
                       ports: str | None = None,
-                      authenticate_values: bool = False) -> list[Any]:
+                      authenticate_values: bool = False,
+                      keep_sparse: bool = False) -> list[Any]:
   """Sums ``grads`` over the workers through the socket ring.
 
   Call in a replica context, with the gradients of one step in the same order
@@ -497,9 +526,13 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
     ports: ``"FIRST-LAST"`` to listen on; ``TFDIST_RING_PORTS`` when
       ``None``.
     authenticate_values: tag every step's bytes too.
+    keep_sparse: ``IndexedSlices`` go to ``fallback`` as they are (an
+      embedding's rows, gathered by TensorFlow's collectives) instead of
+      being made dense for the ring (its whole table every step).
 
   Returns:
-    The summed gradients, dense, each in its gradient's dtype.
+    The summed gradients, each in its gradient's dtype; dense, but those
+    ``keep_sparse`` left to ``fallback``.
   """
   strategy = tf.distribute.get_strategy()
   ring = ring_for(strategy, connect_timeout_s=connect_timeout_s,
@@ -509,11 +542,14 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
            for g in grads]
   if ring is None:
     return dense
-  packed = [i for i, g in enumerate(dense) if g.dtype in _PACKED]
-  others = [i for i, g in enumerate(dense) if g.dtype not in _PACKED]
+  carried = [g.dtype in _PACKED and not (
+      keep_sparse and isinstance(g, tf.IndexedSlices)) for g in grads]
+  packed = [i for i, c in enumerate(carried) if c]
+  others = [i for i, c in enumerate(carried) if not c]
   result: list[Any] = list(dense)
   if others:
-    for i, r in zip(others, fallback([dense[i] for i in others])):
+    kept = [grads[i] if keep_sparse else dense[i] for i in others]
+    for i, r in zip(others, fallback(kept)):
       result[i] = r
   if not packed:
     return result
