@@ -187,17 +187,35 @@ class CommandTest(absltest.TestCase):
   def test_bench_project_prints_and_writes_the_table_without_tensorflow(self):
     with tempfile.TemporaryDirectory() as d:
       path = os.path.join(d, "projection.json")
-      proc = subprocess.run(
-          [sys.executable, "-X", "importtime", "-m", "tfdist", "bench",
-           "--project", "--json", path], capture_output=True, text=True,
-          timeout=120, check=False,
-          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+      plot_path = os.path.join(d, "projection.png")
+      proc = _bench("--json", path, "--plot", plot_path,
+                    python_args=("-X", "importtime"))
       self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
       with open(path) as f:
         written = json.load(f)
+      with open(plot_path, "rb") as f:
+        self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
     self.assertEqual(written, json.loads(json.dumps(projection.project())))
     self.assertIn("| 100 | 64 |", proc.stdout)
     self.assertNotIn("tensorflow", proc.stderr)  # -X importtime lists imports.
+
+  def test_unwritable_plot_is_a_one_line_error_before_anything_is_written(self):
+    with tempfile.TemporaryDirectory() as d:
+      path = os.path.join(d, "projection.json")
+      proc = _bench("--json", path, "--plot", os.path.join(d, "no", "p.png"))
+      self.assertEqual(os.listdir(d), [])
+    self.assertEqual(proc.returncode, 2, proc.stderr[-2000:])
+    self.assertRegex(proc.stderr.strip().splitlines()[-1],
+                     r"^tfdist: --plot: received .*p\.png'; expected a file "
+                     "in an existing directory")
+
+
+def _bench(*args, python_args=()):
+  """``python PYTHON_ARGS -m tfdist bench --project ARGS``."""
+  return subprocess.run(
+      [sys.executable, *python_args, "-m", "tfdist", "bench", "--project",
+       *args], capture_output=True, text=True, timeout=120, check=False,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 if __name__ == "__main__":

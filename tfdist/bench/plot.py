@@ -1,8 +1,9 @@
-"""The bench plot: throughput against workers, bandwidth against size."""
+"""The bench plots: throughput against workers, bandwidth against size, and
+the model's efficiency against hosts (``tfdist bench --project --plot``)."""
 
 from __future__ import annotations
 
-__all__ = ["write_plot", "METHOD_LABELS"]
+__all__ = ["write_plot", "write_projection_plot", "METHOD_LABELS"]
 
 
 _LINES = {"raw": "--", "tfdist": "-", "alone": ":"}
@@ -59,4 +60,34 @@ def write_plot(report: dict, path: str) -> None:
   right.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def write_projection_plot(table: dict, path: str) -> None:
+  """Writes `tfdist.bench.projection.project`'s efficiencies as a PNG.
+
+  One panel per workload: the share of one host's speed each host keeps
+  against the number of hosts, a colour per link rate, the ring solid and
+  the tree dashed (needs matplotlib).
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")  # No display: files only.
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  workloads = table["steps"]
+  fig, axes = plt.subplots(1, len(workloads),
+                           figsize=(5.5 * len(workloads), 4.2), squeeze=False)
+  for ax, (name, by_rate) in zip(axes[0], workloads.items()):
+    for i, (rate, by_hosts) in enumerate(by_rate.items()):
+      hosts = sorted(by_hosts, key=int)
+      for algorithm, style in (("ring", "-"), ("tree", "--")):
+        ax.plot([int(p) for p in hosts],
+                [by_hosts[p][algorithm]["efficiency"] for p in hosts],
+                linestyle=style, marker="o", markersize=3, color=f"C{i}",
+                label=f"{rate} Gbit/s, {algorithm}")
+    ax.set(xlabel="hosts", ylabel="efficiency (compute / step)",
+           title=f"{name}: modelled scaling", ylim=(0, 1.05))
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
   plt.close(fig)

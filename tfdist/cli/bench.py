@@ -65,11 +65,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _project(outputs: dict) -> int:
   import json  # pylint: disable=g-import-not-at-top
+  from tfdist.bench import plot  # pylint: disable=g-import-not-at-top
   from tfdist.bench import projection  # pylint: disable=g-import-not-at-top
+  from tfdist.bench import runner  # pylint: disable=g-import-not-at-top
+  with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS)):
+    runner.check_outputs(**outputs)
   table = projection.project()
   if outputs.get("json_path"):
     with open(outputs["json_path"], "w") as f:
       json.dump(table, f, indent=1)
+  if outputs.get("plot_path"):
+    plot.write_projection_plot(table, outputs["plot_path"])
   print(projection.format_table(table))
   return 0
 
