@@ -174,6 +174,19 @@ class MultiWorkerCallbacksTest(absltest.TestCase):
     with open(os.path.join(out_dir, "backup", "training_metadata.json")) as f:
       self.assertEqual(json.load(f)["epoch"], 3)
 
+  def test_evaluate_and_predict_write_and_draw_from_the_chief(self):
+    root = _tempdir(self)
+    outs, results, tmp = self._run(root, "--epochs", "1", "--evaluate_dir",
+                                   os.path.join(root, "eval"))
+    for out, result in zip(outs, results):
+      self.assertTrue(out["ok"], f"{out}\n{cluster_utils.tail(result.stderr)}")
+    self.assertEqual(_event_pids(os.path.join(root, "eval", "tb")),
+                     {outs[0]["pid"]})
+    # verbose="auto": evaluate's and predict's bars on the chief only.
+    self.assertGreaterEqual(results[0].stdout.count("/step"), 2)
+    self.assertNotIn("/step", results[1].stdout)
+    self.assertEqual(os.listdir(tmp), [])
+
   def test_upstream_every_worker_writes(self):
     # Keras without the correction: both workers write the one TensorBoard
     # directory (here, too, worker 0 then died on the shared HDF5 file:

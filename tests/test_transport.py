@@ -204,11 +204,12 @@ class ClusterTest(parameterized.TestCase):
       self.assertEqual(out["transport"], default, out["reason"])
       for how in ("keras_fit", "fit", "runner", "keras_fit_sparse"):
         calls = {t: out[f"{how}_{t}_ring_calls"]
-                 for t in ("default", "collective", "socket")}
+                 for t in ("default", "options", "collective", "socket")}
         self.assertEqual(calls["collective"], 0, how)
         self.assertGreater(calls["socket"], 0, how)
-        self.assertEqual(calls["default"] > 0, default == "socket", how)
-        for transport in ("default", "socket"):  # Within 1e-5 of TF's.
+        for t in ("default", "options"):
+          self.assertEqual(calls[t] > 0, default == "socket", (how, t))
+        for transport in ("default", "options", "socket"):  # Within 1e-5.
           np.testing.assert_allclose(out[f"{how}_{transport}"],
                                      out[f"{how}_collective"], atol=1e-5)
     _assert_both_workers_equal(outs)

@@ -6,12 +6,14 @@ change from the tutorial is that tfdist builds the strategy.
 
 Usage: keras_fit.py [--strategy NAME] [--upstream] [--steps_per_execution N]
   [--jit_compile] [--epochs N] [--steps N] [--global_batch B] [--seed S]
-  [--write_dir DIR] [--verbose auto|0|1|2]
+  [--write_dir DIR] [--verbose auto|0|1|2] [--evaluate_dir DIR]
 
 ``--upstream`` builds the strategy with TensorFlow directly, so Keras runs
 without tfdist's corrections. ``--write_dir`` trains with Keras's own writing
 callbacks (ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger) on paths
-under DIR, the same on every worker, as a user would write them. Prints one
+under DIR, the same on every worker, as a user would write them;
+``--evaluate_dir`` then evaluates with TensorBoard under DIR and predicts,
+with Keras's default ``verbose="auto"``. Prints one
 JSON line: the weight checksum, the history, or the error fit raised.
 """
 
@@ -34,6 +36,8 @@ parser.add_argument("--global_batch", type=int, default=16)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--write_dir", default=None)
 parser.add_argument("--verbose", default="0", help="fit's verbose: auto, 0-2")
+parser.add_argument("--evaluate_dir", default=None,
+                    help="then model.evaluate with TensorBoard under DIR")
 args = parser.parse_args()
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
@@ -112,6 +116,10 @@ try:
   verbose = args.verbose if args.verbose == "auto" else int(args.verbose)
   history = model.fit(dataset, epochs=args.epochs, verbose=verbose,
                       callbacks=callbacks)
+  if args.evaluate_dir:  # Keras's defaults: verbose="auto".
+    model.evaluate(dataset, callbacks=[keras.callbacks.TensorBoard(
+        os.path.join(args.evaluate_dir, "tb"))])
+    model.predict(x[:args.global_batch], batch_size=args.global_batch)
   weights = model.get_weights()
   result.update(
       ok=True,

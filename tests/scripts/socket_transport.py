@@ -9,8 +9,9 @@ Usage: socket_transport.py sums|default|die
   of the result's bytes (equal digests: equal bits on both workers).
 * ``default``: trains the same model with plain Keras code (``model.fit``),
   `tfdist.fit` and `tfdist.Runner`, each with an optimizer given no options
-  (the transport ``make_strategy`` chose), forced to TensorFlow's
-  collectives, and forced to the socket transport; prints the choice, the
+  (the transport ``make_strategy`` chose), given default options (the
+  same), forced to TensorFlow's collectives, and forced to the socket
+  transport; prints the choice, the
   weights of each and how many calls each made on the socket ring.
 * ``die``: all-reduces a large buffer over and over; worker 1 ends itself
   abruptly (``os._exit``) during that loop; worker 0 prints the error it got
@@ -166,6 +167,7 @@ def default():
                     ("runner", _runner), ("keras_fit_sparse", _keras_fit_sparse)):
     for how, options in (
         ("default", None),
+        ("options", perf.GradientOptions()),  # transport="auto", given.
         ("collective", perf.GradientOptions(transport="collective")),
         ("socket", perf.GradientOptions(transport="socket"))):
       before = sum(r.calls for r in transport.rings_of(strategy))

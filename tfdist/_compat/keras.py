@@ -14,7 +14,7 @@ strategy, or with a strategy that already works, runs Keras's own code.
 | ``jit_compile_multi_replica`` | ``TensorFlowTrainer._make_function``          | (MultiWorker)Mirrored, ``jit_compile=True``: refused, see below |
 | ``atomic_assign_add``         | ``Variable.assign_add`` / ``assign_sub``      | ParameterServer: lost increments |
 | ``lazy_optimizer_build``      | ``BaseOptimizer.apply``                       | custom loops: optimizer built inside ``strategy.run`` on several replicas |
-| ``chief_aware_callbacks``     | ``TensorFlowTrainer.fit`` (its callbacks)     | every worker writes ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger paths (`keras_callbacks`) and draws the progress bar |
+| ``chief_aware_callbacks``     | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their callbacks) | every worker writes ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger paths (`keras_callbacks`) and draws the progress bar |
 | ``strategy_transport``        | ``TFOptimizer._all_reduce_sum_gradients``     | not a bug: gradients take the transport `make_strategy` chose (`Host.all_reduce`), tfdist's socket ring where it is faster |
 
 **Which Keras gets them: decided at run time from the code, not the version.**
@@ -120,6 +120,8 @@ FIXES: tuple[Fix, ...] = (
         "keras-team/keras#19308"),
     Fix("chief_aware_callbacks",
         {f"{_TRAINER}:TensorFlowTrainer.fit": None,
+         f"{_TRAINER}:TensorFlowTrainer.evaluate": None,
+         f"{_TRAINER}:TensorFlowTrainer.predict": None,
          **keras_callbacks.VERIFIED},
         "tensorflow/tensorflow#38635 (every worker saves to one path)"),
     Fix("strategy_transport",
@@ -571,11 +573,13 @@ def _lazy_layer_build(original):
 # Keras 3 dropped tf_keras's chief-aware file writing: under
 # MultiWorkerMirroredStrategy every worker runs `fit`, and ModelCheckpoint,
 # BackupAndRestore, TensorBoard and CSVLogger write the same paths on every
-# worker. For the length of one `fit`, `keras_callbacks.one_writer` points the
-# other workers at a temporary directory and stages the chief's checkpoints.
-# The progress bar is a callback too: with Keras's default ``verbose="auto"``
-# only the chief draws one (every worker's would show the same numbers).
-def _fit(original):
+# worker. For the length of one `fit`, `evaluate` or `predict`,
+# `keras_callbacks.one_writer` points the other workers at a temporary
+# directory and stages the chief's checkpoints (fit's own validation calls
+# `evaluate` with callbacks already pointed: they are left to fit's). The
+# progress bar is a callback too: with Keras's default ``verbose="auto"`` only
+# the chief draws one (every worker's would show the same numbers).
+def _chief_aware(original):
   signature = inspect.signature(original)
 
   def wrapper(self, *args, **kwargs):
@@ -642,7 +646,8 @@ _INSTALLS: dict[str, Callable[[], list[tuple[Any, str, Callable]]]] = {
         (_optimizer_class(), "apply", _lazy_apply),
         (_layer_class(), "_maybe_build", _lazy_layer_build)],
     "chief_aware_callbacks": lambda: [
-        (_trainer().TensorFlowTrainer, "fit", _fit)],
+        (_trainer().TensorFlowTrainer, method, _chief_aware)
+        for method in ("fit", "evaluate", "predict")],
     "strategy_transport": lambda: [
         (_tf_optimizer_class(), "_all_reduce_sum_gradients",
          _all_reduce_sum_gradients)],

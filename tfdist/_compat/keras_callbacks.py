@@ -6,7 +6,7 @@ every worker runs ``fit`` and its callbacks, so every worker writes the same
 files (two HDF5 writers on one file fail to lock it; a reader can meet a
 half-written checkpoint). tf_keras pointed non-chief workers elsewhere; Keras 3
 does not (tensorflow/tensorflow#38635 is the race). For the length of one
-``fit``, `one_writer` points each callback:
+``fit`` (or ``evaluate``, ``predict``), `one_writer` points each callback:
 
 | callback           | the chief                                          | every other worker |
 |--------------------|----------------------------------------------------|--------------------|
@@ -20,7 +20,8 @@ run's restore, an evaluator) never sees a half-written file. URLs such as
 directories are created by `one_writer` and removed when ``fit`` ends, even on
 error, and every callback gets its own paths back.
 
-`tfdist._compat.keras` applies it to every ``model.fit`` under a strategy;
+`tfdist._compat.keras` applies it to every ``model.fit``, ``evaluate`` and
+``predict`` under a strategy;
 ``tfdist.fit`` and `tfdist.training.chief_aware` call it directly. A callback
 already inside a `one_writer` is left to the outer one.
 """

@@ -179,7 +179,10 @@ def _all_reduce(grads_and_vars, codec: compression_lib.Compression,
           timeout_s=options.socket_timeout_seconds,
           fallback=lambda ts: _collective(context, ts, codec, communication),
           secret=options.socket_secret, ports=options.socket_ports,
-          authenticate_values=options.socket_authenticate_values)
+          authenticate_values=options.socket_authenticate_values,
+          # As by default (tfdist.strategy.transport): an embedding's rows
+          # stay on the collectives unless the ring was asked for.
+          keep_sparse=options.transport == "auto")
     return _collective(context, grads, codec, communication)
 
   return transport_lib.sum_pairs(grads_and_vars, reduce)
