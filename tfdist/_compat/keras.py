@@ -193,10 +193,8 @@ def fingerprint(target: str) -> str | None:
   when there is no such function or its source cannot be read.
   """
   try:
-    owner, attr = _resolve(target)
-    function = _originals.get((owner, attr), getattr(owner, attr))
-    source = textwrap.dedent(inspect.getsource(function))
-  except (ImportError, AttributeError, OSError, TypeError):
+    source = textwrap.dedent(inspect.getsource(_upstream(target)))
+  except (OSError, TypeError):  # None, or no source to read.
     return None
   return hashlib.sha256(source.encode()).hexdigest()[:16]
 
@@ -205,12 +203,14 @@ def changed_targets(fix: Fix) -> tuple[str, ...]:
   """The functions of ``fix`` whose code differs from the code verified."""
   return tuple(t for t, want in fix.verified.items()
                if (fingerprint(t) != want if want is not None
-                   else _resolve_or_none(t) is None))
+                   else _upstream(t) is None))
 
 
-def _resolve_or_none(target: str) -> Any:
+def _upstream(target: str) -> Any:
+  """Keras's own function at ``target``, even where replaced; else ``None``."""
   try:
-    return getattr(*_resolve(target))
+    owner, attr = _resolve(target)
+    return _originals.get((owner, attr), getattr(owner, attr))
   except (ImportError, AttributeError):
     return None
 
