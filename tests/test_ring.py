@@ -31,6 +31,10 @@ SIZES = [0, 1, 2, 3, 5, 7, 1001, (1 << 16) + 3]
 # Relative error of one rounding to the wire dtype, per hop.
 WIRE_RTOL = {"float32": 1e-6, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
 BLOCK_BYTES = 4096  # Small blocks: every size above spans several.
+# The bounds of calls that should succeed: far above their time (under a
+# second), so that a stalled machine (two CI runs saw a ring thread make no
+# progress for over 40 s) does not fail them; tests of timeouts set their own.
+STALL_S = 60
 
 
 class LocalRendezvous:
@@ -55,7 +59,7 @@ class LocalRendezvous:
       return self._values[key]
 
 
-def _on_each(items, fn, timeout=60):
+def _on_each(items, fn, timeout=STALL_S * 3):
   """``fn(rank, item)`` on every item at once; results or exceptions."""
   results = [None] * len(items)
 
@@ -275,7 +279,7 @@ def _members(rank, n, hosts=None):
                             source="test")
 
 
-def _join(members, rendezvous, timeout_s=20, secret=None):
+def _join(members, rendezvous, timeout_s=STALL_S, secret=None):
   deadline = time.monotonic() + timeout_s
   listener = connection.listen(members)
   pair = connection.handshake(listener, members, rendezvous=rendezvous,
@@ -284,7 +288,7 @@ def _join(members, rendezvous, timeout_s=20, secret=None):
   return pair.left, pair.right
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(STALL_S * 5)
 class ConnectionTest(parameterized.TestCase):
 
   def test_members_know_their_neighbours(self):
@@ -349,7 +353,7 @@ def _tcp_pair():
   return a, b
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(STALL_S * 3)
 class ExchangeTest(parameterized.TestCase):
 
   def setUp(self):
@@ -424,7 +428,8 @@ class ExchangeTest(parameterized.TestCase):
 
 def _make_rings(n, rendezvous=None, **kwargs):
   rendezvous = rendezvous or LocalRendezvous()
-  options = dict(connect_timeout_s=20, timeout_s=20, block_bytes=BLOCK_BYTES)
+  options = dict(connect_timeout_s=STALL_S, timeout_s=STALL_S,
+                 block_bytes=BLOCK_BYTES)
   options.update(kwargs)
   # A key of its own: these rings are unauthenticated, and a member of an
   # earlier test's ring still reconnecting to a port the OS has handed out
@@ -439,7 +444,7 @@ def _make_rings(n, rendezvous=None, **kwargs):
 _RING_KEYS = itertools.count()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(STALL_S * 5)
 class SocketRingTest(parameterized.TestCase):
 
   def setUp(self):

@@ -26,6 +26,7 @@ from tfdist.ring import connection
 from tfdist.ring import exchange
 from tfdist.ring import socket_ring
 from tfdist.ring import wire as wire_lib
+from test_ring import STALL_S
 from test_ring import LocalRendezvous
 from test_ring import _members
 from test_ring import _on_each
@@ -35,8 +36,8 @@ KEY = "test"
 
 
 def _rings(n, rendezvous, **kwargs):
-  options = dict(connect_timeout_s=20, timeout_s=20, block_bytes=4096,
-                 secret=SECRET)
+  options = dict(connect_timeout_s=STALL_S, timeout_s=STALL_S,
+                 block_bytes=4096, secret=SECRET)
   options.update(kwargs)
   return [perf.SocketRing(rank=i, hosts=["127.0.0.1"] * n,
                           names=[f"worker:{j}" for j in range(n)],
@@ -103,7 +104,7 @@ class Strangers:
       s.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(STALL_S * 5)
 class StrangerTest(parameterized.TestCase):
 
   def _run(self, on_port, n=2, rendezvous=None, **kwargs):
@@ -246,7 +247,7 @@ class StrangerTest(parameterized.TestCase):
 
         self.strangers.background(scan)
 
-    strangers = self._run(None, n=n, rendezvous=Scanned, connect_timeout_s=30)
+    strangers = self._run(None, n=n, rendezvous=Scanned)
     self.assertCountEqual(scanned, range(n))
     self.assertLen(strangers.sockets, 40 * n)
 
@@ -264,7 +265,7 @@ class StrangerTest(parameterized.TestCase):
       else:  # worker:1 dials once the flood is in.
         flooded.wait(30)
 
-    self._run(on_port, connect_timeout_s=30)
+    self._run(on_port)
 
   def test_mismatched_secrets_name_the_variable(self):
     rendezvous = LocalRendezvous()
@@ -300,7 +301,7 @@ def _pump(src, dst, tamper_at=None):
         pass
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(STALL_S * 5)
 class TamperTest(parameterized.TestCase):
   """A relay between worker:1 and worker:0 alters one byte after start-up."""
 
@@ -364,7 +365,7 @@ BAD_PORTS = [
 ]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(STALL_S * 3)
 class PortsTest(parameterized.TestCase):
 
   def test_range_is_honoured(self):
@@ -425,7 +426,7 @@ class PortsTest(parameterized.TestCase):
         s.close()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(STALL_S * 3)
 class AddressTest(parameterized.TestCase):
 
   def test_listens_on_its_own_address(self):
