@@ -206,8 +206,7 @@ def choose(strategy, requested: str = "auto", *,
         f"auto: {type(strategy).__name__} reduces within one process"))
   _, _, spec = introspect.task_of(strategy)
   transport, reason = plan(
-      workers=sum(len(_addresses(spec.get(job, ())))
-                  for job in ("chief", "worker")),
+      workers=len(_tasks(spec)),
       local_devices=list(strategy.extended.worker_devices), environ=environ)
   return Choice(transport=transport, reason=reason, **timeouts)
 
@@ -259,12 +258,10 @@ def agree(strategy, choice: Choice, *, timeout_s: float,
   rendezvous = rendezvous or CoordinationRendezvous()
   task_type, task_id, spec = introspect.task_of(strategy)
   me = f"{task_type}:{task_id}"
-  tasks = [f"{job}:{i}" for job in ("chief", "worker")
-           for i in range(len(_addresses(spec.get(job, ()))))]
   rendezvous.publish(f"{_KEY_PREFIX}/choice/{me}",
                      f"{choice.transport}|{choice.reason}")
   deadline = time.monotonic() + timeout_s
-  for task in tasks:
+  for task in _tasks(spec):
     if task == me:
       continue
     try:
@@ -399,16 +396,22 @@ def check_strategy(strategy, source: str = _SOURCE) -> bool:
 def peers(strategy) -> tuple[int, list[str], list[str]]:
   """This worker's rank, every worker's host and name, chief first."""
   task_type, task_id, spec = introspect.task_of(strategy)
-  tasks = [(job, i, address) for job in ("chief", "worker")
-           for i, address in enumerate(_addresses(spec.get(job, ())))]
-  names = [f"{job}:{i}" for job, i, _ in tasks]
+  tasks = _tasks(spec)
+  names = list(tasks)
   me = f"{task_type}:{task_id}"
   if me not in names or len(tasks) != strategy.num_replicas_in_sync:
     raise ConfigError(
         field="cluster", value=spec, source=f"{_SOURCE}, cluster resolver",
         expected=(f"{strategy.num_replicas_in_sync} chief/worker tasks, "
                   f"{me} among them"))
-  return names.index(me), [_host(a) for _, _, a in tasks], names
+  return names.index(me), [_host(a) for a in tasks.values()], names
+
+
+def _tasks(spec) -> dict[str, str]:
+  """Every chief and worker task, named as ``worker:1``, to its address;
+  chief first, the order of the ring's ranks."""
+  return {f"{job}:{i}": address for job in ("chief", "worker")
+          for i, address in enumerate(_addresses(spec.get(job, ())))}
 
 
 def _addresses(job) -> list[str]:
