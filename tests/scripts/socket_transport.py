@@ -96,24 +96,48 @@ def sums():
   return {"cases": out}
 
 
-def _model_and_optimizer(options):
+def _model_and_optimizer(options, build=job_common.model):
   """In the strategy's scope: the model, and SGD with ``options`` if any."""
   with strategy.scope():
-    model = job_common.model()
+    model = build()
     optimizer = keras.optimizers.SGD(0.05)
     if options is not None:
       optimizer = perf.with_gradient_options(optimizer, options)
   return model, optimizer
 
 
-def _fit(options):
-  x, y = job_common.data(48)
-  model, optimizer = _model_and_optimizer(options)
+def _embedding_model():
+  """A model with an Embedding: its gradient is sparse (IndexedSlices)."""
+  keras.utils.set_random_seed(3)
+  return keras.Sequential([keras.Input((4,), dtype="int32"),
+                           keras.layers.Embedding(50, 3),
+                           keras.layers.Flatten(), keras.layers.Dense(1)])
+
+
+def _embedding_data(n):
+  rng = np.random.default_rng(0)
+  return (rng.integers(0, 50, size=(n, 4)).astype("int32"),
+          rng.normal(size=(n, 1)).astype("float32"))
+
+
+def _fitted(options, fit, build=job_common.model, data=job_common.data):
+  """The weights after ``fit(model, x, y)`` of a compiled model."""
+  x, y = data(48)
+  model, optimizer = _model_and_optimizer(options, build)
   with strategy.scope():
     model.compile(optimizer=optimizer, loss="mse")
+  fit(model, x, y)
+  return job_common.weights(model)
+
+
+def _tfdist_fit(model, x, y):
   tfdist.fit(model, x=x, y=y, batch_size=job_common.GLOBAL_BATCH, epochs=2,
              shuffle=False, verbose=0)
-  return job_common.weights(model)
+
+
+def _keras_fit(model, x, y):
+  model.fit(x, y, batch_size=job_common.GLOBAL_BATCH, epochs=2,
+            shuffle=False, verbose=0)
 
 
 def _runner(options):
@@ -131,40 +155,15 @@ def _runner(options):
   return job_common.weights(model)
 
 
-def _keras_fit(options):
-  x, y = job_common.data(48)
-  model, optimizer = _model_and_optimizer(options)
-  with strategy.scope():
-    model.compile(optimizer=optimizer, loss="mse")
-  model.fit(x, y, batch_size=job_common.GLOBAL_BATCH, epochs=2,
-            shuffle=False, verbose=0)
-  return job_common.weights(model)
-
-
-def _keras_fit_sparse(options):
-  """``model.fit`` of a model with an Embedding (sparse gradients)."""
-  rng = np.random.default_rng(0)
-  ids = rng.integers(0, 50, size=(48, 4)).astype("int32")
-  y = rng.normal(size=(48, 1)).astype("float32")
-  keras.utils.set_random_seed(3)
-  with strategy.scope():
-    model = keras.Sequential([keras.Input((4,), dtype="int32"),
-                              keras.layers.Embedding(50, 3),
-                              keras.layers.Flatten(), keras.layers.Dense(1)])
-    optimizer = keras.optimizers.SGD(0.05)
-    if options is not None:
-      optimizer = perf.with_gradient_options(optimizer, options)
-    model.compile(optimizer=optimizer, loss="mse")
-  model.fit(ids, y, batch_size=job_common.GLOBAL_BATCH, epochs=2,
-            shuffle=False, verbose=0)
-  return job_common.weights(model)
-
-
 def default():
   choice = transport.choice_of(strategy)
   out = {"transport": choice.transport, "reason": choice.reason}
-  for name, run in (("keras_fit", _keras_fit), ("fit", _fit),
-                    ("runner", _runner), ("keras_fit_sparse", _keras_fit_sparse)):
+  for name, run in (
+      ("keras_fit", lambda o: _fitted(o, _keras_fit)),
+      ("fit", lambda o: _fitted(o, _tfdist_fit)),
+      ("runner", _runner),
+      ("keras_fit_sparse", lambda o: _fitted(
+          o, _keras_fit, build=_embedding_model, data=_embedding_data))):
     for how, options in (
         ("default", None),
         ("options", perf.GradientOptions()),  # transport="auto", given.
