@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Callable, Mapping, Sequence
 
+import stalls
 from tfdist import _net
 
 __all__ = [
@@ -143,14 +144,15 @@ def alive(pid: int) -> bool:
 
 def wait_until(condition: Callable[[], object], timeout: float, *,
                interval: float = 0.2) -> bool:
-  """Polls ``condition`` until it holds or ``timeout`` seconds have passed.
+  """Polls ``condition`` until it holds or ``timeout`` seconds of running
+  have passed (`stalls`: time the machine stood still does not count).
 
   Returns:
     Whether it held.
   """
-  deadline = time.monotonic() + timeout
+  start = time.monotonic()
   while not condition():
-    if time.monotonic() >= deadline:
+    if stalls.expired(start, timeout):
       return False
     time.sleep(interval)
   return True
@@ -178,7 +180,9 @@ class Tasks:
   starts a new process for it (the earlier one's stderr stays readable, see
   `stderr_of_all`). Each process leads a session of its own; a thread reads
   its stdout into lines, and its stderr goes to a file (or into stdout with
-  ``merge_stderr``). Output stays readable after `close`.
+  ``merge_stderr``). Output stays readable after `close`. Waits count
+  running time (`stalls`); a task that overruns one is aborted with its
+  Python stacks in the failure message (`stacks`).
   """
 
   def __init__(self, *, commands: Sequence[Sequence[str]],
@@ -231,7 +235,8 @@ class Tasks:
       with (open(err_path, "w") if err_path is not None
             else contextlib.nullcontext(subprocess.STDOUT)) as err:
         proc = subprocess.Popen(
-            self._commands[index], env=self._envs[index], cwd=self._cwd,
+            self._commands[index], cwd=self._cwd,
+            env={"PYTHONFAULTHANDLER": "1", **self._envs[index]},
             stdout=subprocess.PIPE, stderr=err, text=True,
             start_new_session=True)
       run = _Run(index, proc, err_path)
@@ -314,7 +319,7 @@ class Tasks:
     callable, for which ``line`` holds), waiting at most ``timeout`` s."""
     matches = line if callable(line) else line.__eq__
     run = self._run(index)
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
     seen = 0
     with self._changed:
       while True:
@@ -322,24 +327,24 @@ class Tasks:
           if matches(text.rstrip("\n")):
             return text.rstrip("\n")
         seen = len(run.stdout)
-        remaining = deadline - time.monotonic()
-        if run.eof or remaining <= 0:
+        if run.eof or stalls.expired(start, timeout):
           break
-        self._changed.wait(min(remaining, 1.0))
+        self._changed.wait(1.0)
     what = repr(line) if isinstance(line, str) else "the line waited for"
+    stacks = self._stacks(run)
     raise AssertionError(
         f"task {index} never printed {what} within {timeout} s (exit code "
         f"{run.proc.poll()}); stdout tail: {self.lines(index)[-5:]}\n"
-        f"stderr tail:\n{tail(self._stderr(run))}")
+        f"stderr tail:\n{tail(self._stderr(run))}{stacks}")
 
   def wait(self, index: int, timeout: float) -> int:
     """The exit code of task ``index``, which must end within ``timeout``."""
-    return self._wait(self._run(index), time.monotonic() + timeout, timeout)
+    return self._wait(self._run(index), time.monotonic(), timeout)
 
   def wait_all(self, timeout: float) -> list[int]:
     """Exit codes, in task order; every task must end within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    return [self._wait(self._latest[index], deadline, timeout)
+    start = time.monotonic()
+    return [self._wait(self._latest[index], start, timeout)
             for index in sorted(self._latest)]
 
   def finish(self, timeout: float) -> list[Result]:
@@ -347,16 +352,40 @@ class Tasks:
     self.wait_all(timeout)
     return [self.result(index) for index in sorted(self._latest)]
 
-  def _wait(self, run: _Run, deadline: float, timeout: float) -> int:
-    try:
-      code = run.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      raise AssertionError(
-          f"task {run.index} ({shlex.join(run.proc.args)}) still running "
-          f"after {timeout} s:\n{tail(self._stderr(run))}") from None
+  def _wait(self, run: _Run, start: float, timeout: float) -> int:
+    """``run``'s exit code, once it ends within ``timeout`` s of running
+    after monotonic ``start``."""
+    while (code := run.proc.poll()) is None:
+      if stalls.expired(start, timeout):
+        stacks = self._stacks(run)
+        raise AssertionError(
+            f"task {run.index} ({shlex.join(run.proc.args)}) still running "
+            f"after {timeout} s:\n{tail(self._stderr(run))}{stacks}")
+      with contextlib.suppress(subprocess.TimeoutExpired):
+        run.proc.wait(timeout=0.5)
     # Its last lines: the reader ends at the end of the pipe.
-    run.reader.join(timeout=max(0.1, deadline - time.monotonic()))
+    run.reader.join(timeout=10)
     return code
+
+  def stacks(self, index: int) -> str:
+    """The Python stack of every thread of task ``index``, which ends it.
+
+    For failure messages of a task that should have ended or printed: every
+    task runs with Python's faulthandler on (``PYTHONFAULTHANDLER``), so
+    SIGABRT makes it print its threads' stacks on stderr and abort.
+    """
+    return self._stacks(self._run(index))
+
+  def _stacks(self, run: _Run) -> str:
+    if run.proc.poll() is not None or run.err_path is None:
+      return ""
+    run.proc.send_signal(signal.SIGABRT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+      run.proc.wait(timeout=10)
+    err = self._stderr(run)
+    at = err.rfind("Fatal Python error: Aborted")
+    return ("\nits threads when it was aborted for this message:\n"
+            + err[at:at + 6000] if at >= 0 else "")
 
   # -------------------------------------------------------- signals.
 

@@ -5,6 +5,9 @@ Multi-worker and parameter-server tests run in their own processes, started,
 watched and ended by the one live-cluster harness, tests/cluster_utils.py
 (`cluster_utils.Tasks`), because collective ops must be configured before
 TensorFlow starts and a process can join only one cluster.
+
+The session's end lists any time the machine stood still (tests/stalls.py),
+with the test it fell in.
 """
 
 import os
@@ -20,3 +23,20 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 _cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(
     _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import stalls  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def pytest_runtest_logstart(nodeid, location):
+  del location
+  stalls.note_test(nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+  """Says when the machine stood still (`stalls`), and in which test."""
+  found = stalls.stalls()
+  if found:
+    terminalreporter.section("machine stalls (not counted by test bounds)")
+    for stall in found:
+      terminalreporter.write_line(
+          f"{stall.seconds:6.1f} s without running, during {stall.test}")

@@ -18,6 +18,7 @@ import pytest
 
 import cluster_utils
 import fault_runs
+import stalls
 import tfdist
 
 
@@ -34,7 +35,7 @@ def preempt(configs, args, *, target, signum, after_step, timeout=240):
     sent = time.monotonic()
     tasks.signal(target, signum)
     codes = tasks.wait_all(60)
-    return codes, time.monotonic() - sent, tasks
+    return codes, stalls.running_since(sent), tasks
 
 
 @pytest.mark.timeout(420)

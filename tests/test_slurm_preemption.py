@@ -55,6 +55,7 @@ import pytest
 import cluster_utils
 import fault_runs
 import slurm_harness
+import stalls
 import tfdist
 from tfdist.cluster import requeue
 from tfdist.launch import sbatch as slurm_script
@@ -260,7 +261,7 @@ class SlurmPreemptionTest(parameterized.TestCase):
     _wait(self, lambda: re.search(r"(?m)^0: step 2$", output()) and re.search(
         r"(?m)^1: step 2$", output()), 150, context)
     logging.info("reference run %.1f s, submit -> step 2 %.1f s",
-                 submitted - started, time.monotonic() - submitted)
+                 submitted - started, stalls.running_since(submitted))
     self.assertEqual(state(), ("RUNNING", 0), context())
     if requeue_from == "task":
       job.signal_tasks()
@@ -270,11 +271,11 @@ class SlurmPreemptionTest(parameterized.TestCase):
 
     # The shell requeues: the job is pending again, held until BeginTime.
     _wait(self, lambda: state() == ("PENDING", 1), 60, context)
-    requeue_seconds = time.monotonic() - signalled
+    requeue_seconds = stalls.running_since(signalled)
     hold = _field(job.records()[0], "StartTime")
     self.slurm.release_requeued(job.id)
     _wait(self, lambda: state()[0] in _ENDED, 150, context)
-    finished_seconds = time.monotonic() - signalled
+    finished_seconds = stalls.running_since(signalled)
     record = job.records()[0]
     text = output()
     logging.info("signal -> requeued %.1f s (hold until %s), signal -> "
@@ -746,7 +747,7 @@ class RequeueScontrolTest(absltest.TestCase):
     line = requeue.requeue_after_save(
         requeue.RequeueOptions(enabled=True, timeout_seconds=1),
         environ=self.environ(SLURM_CONF=conf_path, SLURM_JOB_ID="12"))
-    self.assertLess(time.monotonic() - started, 5)
+    self.assertLess(stalls.running_since(started), 5)
     self.assertEqual(line, "requeueing job 12 failed: scontrol requeue 12 did "
                            "not answer within 1 s (killed; the job may not be "
                            "requeued)")
