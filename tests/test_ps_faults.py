@@ -30,7 +30,9 @@ import tensorflow as tf
 
 import cluster_utils
 from cluster_utils import tail
+import stalls
 import tfdist
+from tfdist.strategy import server
 from tfdist.training import _worker_errors
 
 JOB = "ps_fault_job.py"
@@ -105,13 +107,13 @@ class WorkerLostTest(_PsClusterTest):
       # The remaining worker carries on: 4 more steps applied on the ps.
       at_kill = _applied(line)
       c.wait_for(CHIEF, lambda l: _applied(l) >= at_kill + 4, 60)
-      four_more = time.monotonic() - killed
+      four_more = stalls.running_since(killed)
       # A new process on the same address, as a scheduler restarts it.
       c.start(WORKER1)
       cluster_utils.wait_until(lambda: TRAIN_STEP in c.stderr(WORKER1)
                                or not c.running(CHIEF), 90)
       rejoined = c.stderr(WORKER1).count(TRAIN_STEP)
-      rejoin_seconds = time.monotonic() - killed - four_more
+      rejoin_seconds = stalls.running_since(killed) - four_more
       open(self.backup + ".fast", "w").close()  # The rest without sleeping.
       self.assertEqual(c.wait(CHIEF, 90), 0, tail(c.stderr(CHIEF)))
       # The servers end by themselves once the chief has ended.
@@ -148,7 +150,7 @@ class PsLostTest(_PsClusterTest):
       killed = time.monotonic()
       c.kill(PS)
       code = c.wait(CHIEF, 60)
-      to_error = time.monotonic() - killed
+      to_error = stalls.running_since(killed)
       # With the chief gone, the workers stop serving by themselves.
       worker_codes = [c.wait(i, 30) for i in (WORKER0, WORKER1)]
       chief_err = c.stderr(CHIEF)
@@ -207,7 +209,7 @@ class PreemptedTest(_PsClusterTest):
     self.assertEqual(out["iterations"], epochs * STEPS)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 class ServersEndTest(absltest.TestCase):
   """ps and worker servers never outlive the chief for long."""
 
@@ -223,13 +225,22 @@ class ServersEndTest(absltest.TestCase):
         self.assertTrue(cluster_utils.wait_until(
             lambda: TRAIN_STEP in c.stderr(worker), 100),
                         tail(c.stderr(worker)))
+        # The contract: servers that wait for the chief probe it every
+        # APPEAR_POLL_SECONDS, so a chief that answered that long and one
+        # probe's bound (1 s) more was seen. Its server can have started
+        # under a second before this line: when tfdist.serve probed once a
+        # second then, in 3 of 5 runs its ps never saw the chief and waited
+        # for chief_timeout.
+        time.sleep(server.APPEAR_POLL_SECONDS + 1)
         killed = time.monotonic()
         c.kill(chief)
         ended = cluster_utils.wait_until(
             lambda: not (c.running(worker) or c.running(ps)), 30)
-        self.assertTrue(ended, f"worker: {c.lines(worker)}, ps: {c.lines(ps)}")
+        self.assertTrue(ended, "".join(
+            f"\n{name}: {c.lines(i)}\n{tail(c.stderr(i))}{c.stacks(i)}"
+            for name, i in (("worker:0", worker), ("ps:0", ps))))
         codes = [c.wait(i, 1) for i in (worker, ps)]
-        seconds = time.monotonic() - killed
+        seconds = stalls.running_since(killed)
         served = [c.stderr(i) for i in (worker, ps)]
     print(f"servers ended {seconds:.1f} s after the chief was killed")
     self.assertEqual(codes, [0, 0])
@@ -246,7 +257,7 @@ class ServersEndTest(absltest.TestCase):
         start = time.monotonic()
         c.start(PS)  # A worker runs the same tfdist.serve.
         code = c.wait(PS, 60)
-        seconds = time.monotonic() - start
+        seconds = stalls.running_since(start)
         err = c.stderr(PS)
     print(f"ps:0 gave up after {seconds:.1f} s")
     self.assertEqual(code, 1, tail(err))
