@@ -42,6 +42,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from tfdist import perf  # pylint: disable=g-import-not-at-top
 from tfdist.strategy import transport  # pylint: disable=g-import-not-at-top
+from tfdist.training import _worker_errors  # pylint: disable=g-import-not-at-top
 
 # Gradient shapes: a scalar, empty, odd lengths, more than one 512 KiB block.
 SHAPES = [(), (0,), (1,), (3,), (5, 7), (1001,), (3, 0), (300_001,)]
@@ -200,11 +201,15 @@ def die():
     threading.Timer(delay, os._exit, (3,)).start()
   calls = 0
   try:
-    while time.time() < planned + 300:
-      reduce()
-      calls += 1
+    # As tfdist.fit and Runner do: the ring's error, not TensorFlow's
+    # UnknownError around it.
+    with _worker_errors.worker_errors(strategy):
+      while time.time() < planned + 300:
+        reduce()
+        calls += 1
   except Exception as e:  # pylint: disable=broad-exception-caught
     return {"error": type(e).__name__, "message": str(e)[-3000:],
+            "cause": type(e.__cause__).__name__,
             "after_death_s": time.time() - planned, "calls": calls}
   return {"error": None, "calls": calls}
 

@@ -206,6 +206,12 @@ class SocketRing:
     with self._lock:
       self._connect_locked()
 
+  @property
+  def failure(self) -> BaseException | None:
+    """The error that closed this ring for good (every later call raises it
+    again), or ``None`` while it works."""
+    return self._failure
+
   def _connect_locked(self) -> None:
     if self._failure is not None:
       raise self._failure

@@ -95,9 +95,10 @@ from tfdist.ring import exchange
 from tfdist.strategy import introspect
 
 __all__ = ["TRANSPORTS", "TRANSPORT_VARIABLE", "Choice", "auto_rule",
-           "choose", "plan", "agree", "record", "choice_of", "keras_all_reduce", "sum_pairs",
-           "check_strategy", "peers", "CoordinationRendezvous", "ring_for",
-           "socket_all_reduce", "rings_of", "close_transports"]
+           "choose", "plan", "agree", "record", "choice_of",
+           "keras_all_reduce", "sum_pairs", "check_strategy", "peers",
+           "CoordinationRendezvous", "ring_for", "socket_all_reduce",
+           "rings_of", "failure_of", "close_transports"]
 
 #: Every transport name `make_strategy` and `GradientOptions` accept.
 TRANSPORTS: tuple[str, ...] = ("auto", "collective", "socket")
@@ -484,6 +485,18 @@ def rings_of(strategy) -> list[ring_lib.SocketRing]:
   """The socket rings this process made for ``strategy``'s workers."""
   with _lock:
     return [ring for ref, ring in _rings.values() if ref() is strategy]
+
+
+def failure_of(strategy) -> BaseException | None:
+  """The first error of a socket ring of ``strategy`` (a lost peer, a step
+  out of order), or ``None``.
+
+  A ring's error reaches the training loop as TensorFlow's ``UnknownError``
+  (it is raised inside ``tf.numpy_function``); the loops of the training
+  floor ask here what it was (`tfdist.training._worker_errors`).
+  """
+  return next((ring.failure for ring in rings_of(strategy)
+               if ring.failure is not None), None)
 
 
 def close_transports() -> None:

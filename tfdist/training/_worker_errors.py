@@ -4,7 +4,10 @@ TensorFlow reports a dead, stopped or unreachable peer as one of four
 low-level errors whose first line is often generic ("Graph execution
 error:"). `worker_errors` turns them into a `WorkerLostError` that names this
 task, the lost ps task when TensorFlow's message names one, the informative
-line of the message, and how to go on.
+line of the message, and how to go on. Gradients carried by tfdist's socket
+ring fail differently: the ring's own error (naming the lost peer) comes out
+of ``tf.numpy_function`` as an ``UnknownError``; `worker_errors` raises the
+ring's error instead.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import tensorflow as tf
 
 from tfdist.errors import WorkerLostError
 from tfdist.strategy import introspect
+from tfdist.strategy import transport
 
 __all__ = ["LOST_PEER_ERRORS", "lost_ps_tasks", "summary", "worker_errors"]
 
@@ -41,11 +45,21 @@ def worker_errors(strategy: tf.distribute.Strategy) -> Iterator[None]:
   are gone and only a restart of the whole cluster can go on.
 
   Raises:
-    WorkerLostError: one of `LOST_PEER_ERRORS` came out of the block.
+    WorkerLostError: one of `LOST_PEER_ERRORS` came out of the block, or a
+      socket ring of ``strategy`` lost a peer.
+    TfdistError: what else closed such a ring (e.g. a `ConfigError` for
+      workers whose steps differ).
   """
   try:
     yield
-  except LOST_PEER_ERRORS as e:
+  except tf.errors.OpError as e:
+    ring_failure = transport.failure_of(strategy)
+    if isinstance(ring_failure, WorkerLostError):
+      raise WorkerLostError(str(ring_failure)) from e  # Names the peer.
+    if ring_failure is not None:
+      raise ring_failure from e
+    if not isinstance(e, LOST_PEER_ERRORS):
+      raise
     task_type, task_id, cluster = introspect.task_of(strategy)
     me = f"{task_type}:{task_id}" if task_type else "this process"
     cause = f"{type(e).__name__}: {summary(e)}"

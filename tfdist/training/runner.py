@@ -33,6 +33,7 @@ from tfdist.data.feed import DatasetFn
 from tfdist.errors import ConfigError
 from tfdist.strategy import introspect
 from tfdist.training import _input
+from tfdist.training import _worker_errors
 from tfdist.training import checkpoints as checkpoints_lib
 from tfdist.training import chief as chief_lib
 from tfdist.training import ownership
@@ -171,7 +172,13 @@ class Runner:
     Raises:
       PreemptedError: SIGTERM or SIGUSR1 came (with a ``checkpoint_dir``):
         every worker saved at the same step.
+      WorkerLostError: a peer died, stopped or stopped answering (as in
+        `tfdist.fit`).
     """
+    with _worker_errors.worker_errors(self._strategy):
+      return self._train(num_steps)
+
+  def _train(self, num_steps: int) -> dict[str, float]:
     self._check_preemption()
     if self._coordinator is not None and not self._options.ps_synchronous:
       return self._train_scheduled(num_steps)
