@@ -23,7 +23,7 @@ import cluster_utils
 ALL_FIXES = ("atomic_assign_add", "chief_aware_callbacks",
              "jit_compile_multi_replica", "lazy_optimizer_build",
              "multi_worker_scalar_mean", "steps_per_execution",
-             "strategy_transport", "symbolic_build_reduce")
+             "strategy_transport", "symbolic_build_reduce", "transport_errors")
 _REDUCE = "keras.src.backend.tensorflow.trainer:reduce_per_replica"
 DEVICES = ["/cpu:0", "/cpu:1"]
 

@@ -248,6 +248,18 @@ class ClusterTest(parameterized.TestCase):
                           "socket transport: worker:0 lost worker:1")
     self.assertLess(survivor["after_death_s"], 30)
 
+  def test_ring_reset_in_plain_fit_is_the_rings_error(self):
+    """Plain ``model.fit``: the ring's error, not TensorFlow's UnknownError
+    around it (the ``transport_errors`` Keras correction)."""
+    _, outs = _cluster("ring_reset_in_fit", env={"TFDIST_JOB_SECRET": "s3"})
+    for out, start in zip(outs, ("socket transport: worker:0 lost worker:1",
+                                 "socket transport: the ring of worker:1 "
+                                 "was closed")):
+      self.assertEqual(out["choice"], "socket")
+      self.assertEqual(out["error"], "WorkerLostError", str(out))
+      self.assertEqual(out["cause"], "UnknownError")
+      self.assertStartsWith(out["message"], start)
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -1,6 +1,6 @@
 """One worker of a 2-process cluster exercising the socket transport.
 
-Usage: socket_transport.py sums|default|die
+Usage: socket_transport.py sums|default|die|ring_reset_in_fit
 
 * ``sums``: all-reduces gradients of many shapes (scalars, empty, odd
   lengths, multi-block) through the optimizer hook, and numpy buffers
@@ -16,6 +16,11 @@ Usage: socket_transport.py sums|default|die
 * ``die``: all-reduces a large buffer over and over; worker 1 ends itself
   abruptly (``os._exit``) during that loop; worker 0 prints the error it got
   and how long after worker 1's planned death it came.
+* ``ring_reset_in_fit``: plain ``model.fit`` under the transport
+  ``make_strategy`` chose; after its third step worker 1 closes its ring
+  (as a connection reset would: both processes live on, so TensorFlow's
+  collectives notice nothing); each worker prints the error ``fit`` raised
+  and its cause.
 
 Each worker prints one JSON line and ends with ``os._exit`` (a surviving
 worker does not wait for TensorFlow's shutdown barrier of a dead peer).
@@ -214,8 +219,31 @@ def die():
   return {"error": None, "calls": calls}
 
 
+def ring_reset_in_fit():
+  model, optimizer = _model_and_optimizer(None)
+  with strategy.scope():
+    model.compile(optimizer=optimizer, loss="mse")
+  x, y = job_common.data(40 * job_common.GLOBAL_BATCH)
+
+  class Reset(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+      if RANK == 1 and batch == 2:
+        transport.close_transports()
+
+  try:
+    model.fit(x, y, batch_size=job_common.GLOBAL_BATCH, epochs=1, verbose=0,
+              shuffle=False, callbacks=[Reset()])
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    return {"error": type(e).__name__, "message": str(e)[-3000:],
+            "cause": type(e.__cause__).__name__,
+            "choice": transport.choice_of(strategy).transport}
+  return {"error": None}
+
+
 try:
-  result = {"rank": RANK, **{"sums": sums, "default": default, "die": die}[MODE]()}
+  modes = {"sums": sums, "default": default, "die": die,
+           "ring_reset_in_fit": ring_reset_in_fit}
+  result = {"rank": RANK, **modes[MODE]()}
 except Exception:  # pylint: disable=broad-exception-caught
   result = {"rank": RANK, "crash": traceback.format_exc()[-3000:]}
 print(json.dumps(result), flush=True)

@@ -16,6 +16,7 @@ strategy, or with a strategy that already works, runs Keras's own code.
 | ``lazy_optimizer_build``      | ``BaseOptimizer.apply``                       | custom loops: optimizer built inside ``strategy.run`` on several replicas |
 | ``chief_aware_callbacks``     | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their callbacks) | every worker writes ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger paths (`keras_callbacks`) and draws the progress bar |
 | ``strategy_transport``        | ``TFOptimizer._all_reduce_sum_gradients``     | not a bug: gradients take the transport `make_strategy` chose (`Host.all_reduce`), tfdist's socket ring where it is faster |
+| ``transport_errors``          | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their errors) | the ring's error (a lost peer, named) comes out of ``tf.numpy_function`` as TensorFlow's ``UnknownError``: raised as itself (`Host.transport_failure`) |
 
 **Which Keras gets them: decided at run time from the code, not the version.**
 Each correction records a fingerprint (`fingerprint`: a hash of the source
@@ -129,6 +130,11 @@ FIXES: tuple[Fix, ...] = (
          # The caller, which hands it a list of every (gradient, variable).
          f"{_OPTIMIZER}:TFOptimizer._backend_update_step": "9be20bff479173f6"},
         "none: Keras sums gradients by the strategy's collectives only"),
+    Fix("transport_errors",
+        {f"{_TRAINER}:TensorFlowTrainer.fit": None,
+         f"{_TRAINER}:TensorFlowTrainer.evaluate": None,
+         f"{_TRAINER}:TensorFlowTrainer.predict": None},
+        "none: an error raised in tf.numpy_function becomes UnknownError"),
 )
 
 
@@ -146,10 +152,14 @@ class Host:
     all_reduce: sums a list of ``(gradient, variable)`` pairs in a replica
       context by the current strategy's transport, or returns ``None`` to
       leave them to Keras (`tfdist.strategy.transport.keras_all_reduce`).
+    transport_failure: the error that closed a transport of a strategy (a
+      socket ring that lost a peer), or ``None``
+      (`tfdist.strategy.transport.failure_of`).
   """
   refusal: Callable[..., Exception]
   is_chief: Callable[[Any], bool]
   all_reduce: Callable[[list], list | None] | None = None
+  transport_failure: Callable[[Any], BaseException | None] | None = None
 
 
 def _value_error(*, field: str, value: Any, expected: str, source: str,
@@ -291,12 +301,15 @@ def _warn_changed_once(name: str, changed: tuple[str, ...]) -> None:
 
 def _install(owner: Any, attr: str,
              make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+  """Wraps ``owner.attr`` by ``make``, over any wrapper of another maker
+  (``fit`` has two: `_chief_aware`, `_transport_errors`)."""
   current = getattr(owner, attr)
-  if getattr(current, _MARK, False):
+  makers = getattr(current, _MARK, ())
+  if make in makers:
     return  # Already ours: `apply` is idempotent.
-  _originals[(owner, attr)] = current
+  _originals.setdefault((owner, attr), current)  # Upstream's, for `restore`.
   wrapper = make(current)
-  setattr(wrapper, _MARK, True)
+  setattr(wrapper, _MARK, (*makers, make))
   setattr(owner, attr, wrapper)
 
 
@@ -598,6 +611,26 @@ def _chief_aware(original):
   return functools.wraps(original)(wrapper)
 
 
+# tfdist's socket ring sums gradients inside `tf.numpy_function`, which turns
+# any Python error into TensorFlow's UnknownError, the ring's message (which
+# peer was lost, what to do) buried in a traceback. When `fit`, `evaluate` or
+# `predict` fails and a transport of the model's strategy has failed, the
+# transport's error is raised instead, from TensorFlow's.
+def _transport_errors(original):
+  def wrapper(self, *args, **kwargs):
+    try:
+      return original(self, *args, **kwargs)
+    except Exception as e:
+      strategy = self._distribute_strategy  # pylint: disable=protected-access
+      failed = _host[0].transport_failure
+      failure = (failed(strategy) if failed is not None
+                 and strategy is not None else None)
+      if failure is None or failure is e:
+        raise
+      raise failure.with_traceback(None) from e
+  return functools.wraps(original)(wrapper)
+
+
 # Every Keras optimizer on TensorFlow sums its gradients here; tfdist's upper
 # floors may carry them by another transport (`Host.all_reduce`). An
 # optimizer given `tfdist.perf.with_gradient_options` has its own method.
@@ -651,4 +684,7 @@ _INSTALLS: dict[str, Callable[[], list[tuple[Any, str, Callable]]]] = {
     "strategy_transport": lambda: [
         (_tf_optimizer_class(), "_all_reduce_sum_gradients",
          _all_reduce_sum_gradients)],
+    "transport_errors": lambda: [
+        (_trainer().TensorFlowTrainer, method, _transport_errors)
+        for method in ("fit", "evaluate", "predict")],
 }

@@ -307,7 +307,8 @@ def make_strategy(name: str = "auto", *,
   # writing callbacks write from the chief that tfdist's one rule names.
   keras_compat.apply(host=keras_compat.Host(
       refusal=ConfigError, is_chief=introspect.is_chief,
-      all_reduce=transport_lib.keras_all_reduce))
+      all_reduce=transport_lib.keras_all_reduce,
+      transport_failure=transport_lib.failure_of))
   # From here until training watches signals, nothing can be saved: SIGTERM
   # and SIGUSR1 exit 42 at once, saying so.
   startup_lib.install_stop_handlers()
