@@ -3,8 +3,8 @@
 Everything is real except TPU hardware: ``tfdist_digits`` built into a
 temporary directory by the real TFDS builder code, ``mnist`` through TFDS's
 own ``tfds.testing.mock_data``, downloads from a real HTTP server on
-127.0.0.1, and a real in-process ParameterServerStrategy cluster in a
-subprocess. Only the TPU strategy is a stand-in, since there is no TPU here.
+127.0.0.1, and a real ParameterServerStrategy cluster of processes on
+localhost. Only the TPU strategy is a stand-in, since there is no TPU here.
 """
 
 import collections
@@ -748,7 +748,8 @@ class DistributeTest(parameterized.TestCase):
 
 @pytest.mark.timeout(150)
 class ParameterServerTest(absltest.TestCase):
-  """A real in-process ps cluster (2 workers, 1 ps) in a subprocess."""
+  """A real ps cluster on localhost: the chief, 2 workers and 1 ps, each a
+  process."""
 
   def test_batches_are_made_and_consumed_on_the_workers(self):
     result = cluster_utils.run_script("data_parameter_server.py", timeout=140)

@@ -144,7 +144,7 @@ class FitChiefWritesTest(absltest.TestCase):
 class FitParameterServerTest(absltest.TestCase):
 
   def test_trains_through_cluster_coordinator(self):
-    out = _run(["parameter_server", "--ps-inprocess", "2", "--input",
+    out = _run(["parameter_server", "--ps-local", "2", "--input",
                 "dataset_fn"])
     self.assertEqual(out["epochs"], [0, 1, 2])
     self.assertLen(out["loss"], 3)

@@ -41,7 +41,7 @@ class RunnerCorrectnessTest(parameterized.TestCase):
       ("mirrored_two_replicas", ["mirrored", "--devices", "/cpu:0,/cpu:1"], 2),
       ("central_storage_two_replicas",
        ["central_storage", "--devices", "/cpu:0,/cpu:1"], 2),
-      ("parameter_server_synchronous", ["parameter_server", "--ps-inprocess",
+      ("parameter_server_synchronous", ["parameter_server", "--ps-local",
                                         "1"], 1),
       ("steps_per_loop_one", ["mirrored", "--devices", "/cpu:0,/cpu:1",
                               "--steps-per-loop", "1"], 2),

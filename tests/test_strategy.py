@@ -210,7 +210,7 @@ class MultiProcessStrategyTest(parameterized.TestCase):
 
   @parameterized.named_parameters(("named", "parameter_server"),
                                   ("auto", "auto"))
-  def test_parameter_server_in_process_cluster(self, name):
+  def test_parameter_server_local_cluster(self, name):
     result = cluster_utils.run_script("parameter_server.py", args=[name],
                                       timeout=180)
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])

@@ -1,7 +1,7 @@
 """tfdist.data under a real ParameterServerStrategy, fed by its coordinator.
 
-Starts 2 worker and 1 ps `tf.distribute.Server`s in this process
-(`job_common.in_process_ps_cluster`), builds the strategy as the chief, and:
+Starts 2 worker and 1 ps `tf.distribute.Server`s, each in a process of its
+own (`job_common.local_ps_cluster`), builds the strategy as the chief, and:
 
 * calls `tfdist.data.distribute` without a coordinator (a ConfigError) and
   `tfdist.data.distribute_dataset` (a ConfigError: use ``distribute``);
@@ -19,7 +19,7 @@ import job_common
 
 import tfdist
 
-chief = job_common.in_process_ps_cluster(2)
+chief = job_common.local_ps_cluster(2)
 strategy = tfdist.make_strategy("parameter_server", cluster=chief)
 
 import tensorflow as tf  # pylint: disable=g-import-not-at-top

@@ -2,7 +2,7 @@
 
 Usage: fit_job.py STRATEGY [--input arrays|shuffled|dataset|dataset_fn]
   [--epochs E] [--backup DIR] [--every K] [--die-at STEP] [--devices LIST]
-  [--ps-inprocess WORKERS] [--tensorboard DIR] [--checkpoint PATH] [--spe K]
+  [--ps-local WORKERS] [--tensorboard DIR] [--checkpoint PATH] [--spe K]
   [--export PATH.keras]
 
 --die-at ends the process abruptly (os._exit(3)) once that many steps are
@@ -27,15 +27,15 @@ parser.add_argument("--backup")
 parser.add_argument("--every", type=int)
 parser.add_argument("--die-at", type=int)
 parser.add_argument("--devices", default="")
-parser.add_argument("--ps-inprocess", type=int, default=0)
+parser.add_argument("--ps-local", type=int, default=0)
 parser.add_argument("--tensorboard")
 parser.add_argument("--checkpoint")
 parser.add_argument("--spe", type=int, default=1)
 parser.add_argument("--export")
 args = parser.parse_args()
 
-cluster = (job_common.in_process_ps_cluster(args.ps_inprocess)
-           if args.ps_inprocess else None)
+cluster = (job_common.local_ps_cluster(args.ps_local)
+           if args.ps_local else None)
 strategy = tfdist.make_strategy(
     args.strategy, cluster=cluster,
     **job_common.strategy_options(args.strategy, args.devices))

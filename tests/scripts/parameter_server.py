@@ -1,7 +1,8 @@
-"""A real in-process parameter-server cluster, driven through tfdist.
+"""A real parameter-server cluster on localhost, driven through tfdist.
 
-Starts `tf.distribute.Server`s for 2 workers and 1 ps in this process (the
-worker servers with inter-op threads >= workers + 1), builds
+Starts `tf.distribute.Server`s for 2 workers and 1 ps, each in a process of
+its own (`job_common.local_ps_cluster`: `tfdist.serve`, whose worker servers
+get inter-op threads >= workers + 1), builds
 the strategy with tfdist as the chief, and schedules steps that add to a
 variable on the ps. Usage: parameter_server.py [STRATEGY_NAME]. Prints JSON.
 """
@@ -14,7 +15,7 @@ import tensorflow as tf
 import job_common
 import tfdist
 
-chief = job_common.in_process_ps_cluster(2)
+chief = job_common.local_ps_cluster(2)
 name = sys.argv[1] if len(sys.argv) > 1 else "parameter_server"
 strategy = tfdist.make_strategy(name, cluster=chief)
 coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)

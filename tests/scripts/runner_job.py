@@ -1,7 +1,7 @@
 """Trains a small deterministic model with tfdist's Runner; prints JSON.
 
 Usage: runner_job.py STRATEGY STEPS [--ckpt DIR] [--summary DIR]
-  [--steps-per-loop K] [--ps-inprocess WORKERS] [--devices LIST]
+  [--steps-per-loop K] [--ps-local WORKERS] [--devices LIST]
 """
 
 import argparse
@@ -16,12 +16,12 @@ parser.add_argument("steps", type=int)
 parser.add_argument("--ckpt")
 parser.add_argument("--summary")
 parser.add_argument("--steps-per-loop", type=int, default=2)
-parser.add_argument("--ps-inprocess", type=int, default=0)
+parser.add_argument("--ps-local", type=int, default=0)
 parser.add_argument("--devices", default="")
 args = parser.parse_args()
 
-cluster = (job_common.in_process_ps_cluster(args.ps_inprocess)
-           if args.ps_inprocess else None)
+cluster = (job_common.local_ps_cluster(args.ps_local)
+           if args.ps_local else None)
 strategy = tfdist.make_strategy(
     args.strategy, cluster=cluster,
     **job_common.strategy_options(args.strategy, args.devices))
