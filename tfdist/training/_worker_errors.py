@@ -54,10 +54,8 @@ def worker_errors(strategy: tf.distribute.Strategy) -> Iterator[None]:
     yield
   except tf.errors.OpError as e:
     ring_failure = transport.failure_of(strategy)
-    if isinstance(ring_failure, WorkerLostError):
-      raise WorkerLostError(str(ring_failure)) from e  # Names the peer.
-    if ring_failure is not None:
-      raise ring_failure from e
+    if ring_failure is not None:  # E.g. a WorkerLostError naming the peer.
+      raise ring_failure.with_traceback(None) from e
     if not isinstance(e, LOST_PEER_ERRORS):
       raise
     task_type, task_id, cluster = introspect.task_of(strategy)
