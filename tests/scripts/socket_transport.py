@@ -182,6 +182,12 @@ def default():
   return out
 
 
+def _error_report(error):
+  """What a worker reports of the error that ended its loop."""
+  return {"error": type(error).__name__, "message": str(error)[-3000:],
+          "cause": type(error.__cause__).__name__}
+
+
 def die():
   options = perf.GradientOptions(transport="socket",
                                  socket_connect_timeout_seconds=120,
@@ -213,9 +219,8 @@ def die():
         reduce()
         calls += 1
   except Exception as e:  # pylint: disable=broad-exception-caught
-    return {"error": type(e).__name__, "message": str(e)[-3000:],
-            "cause": type(e.__cause__).__name__,
-            "after_death_s": time.time() - planned, "calls": calls}
+    return {**_error_report(e), "after_death_s": time.time() - planned,
+            "calls": calls}
   return {"error": None, "calls": calls}
 
 
@@ -234,8 +239,7 @@ def ring_reset_in_fit():
     model.fit(x, y, batch_size=job_common.GLOBAL_BATCH, epochs=1, verbose=0,
               shuffle=False, callbacks=[Reset()])
   except Exception as e:  # pylint: disable=broad-exception-caught
-    return {"error": type(e).__name__, "message": str(e)[-3000:],
-            "cause": type(e.__cause__).__name__,
+    return {**_error_report(e),
             "choice": transport.choice_of(strategy).transport}
   return {"error": None}
 
