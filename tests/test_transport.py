@@ -185,7 +185,7 @@ class ClusterTest(parameterized.TestCase):
   def test_sums_exact_in_float32_and_close_compressed(self):
     _, (a, b) = _cluster("sums")
     self.assertEqual(a["cases"].keys(), b["cases"].keys())
-    self.assertLen(a["cases"], 3 * 15)
+    self.assertLen(a["cases"], 3 * 17)
     for case, got in a["cases"].items():
       # Both workers hold the same bits.
       self.assertEqual(got["digest"], b["cases"][case]["digest"], case)

@@ -51,6 +51,7 @@ from tfdist.training import _worker_errors  # pylint: disable=g-import-not-at-to
 
 # Gradient shapes: a scalar, empty, odd lengths, more than one 512 KiB block.
 SHAPES = [(), (0,), (1,), (3,), (5, 7), (1001,), (3, 0), (300_001,)]
+DYNAMIC_SHAPES = [(17,), (5,)]
 RING_SIZES = [0, 1, 2, 3, 5, 1001, (1 << 20) + 3]
 WIRES = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -93,6 +94,20 @@ def sums():
     results = reduce()
     for i, (shape, r) in enumerate(zip(SHAPES, results)):
       out[f"hook/{compression}/{shape}"] = _check(r.numpy(), i, shape)
+    # Shapes known only when the graph runs (padding computed in the graph).
+    unknown = tf.TensorSpec([None], tf.float32)
+
+    @tf.function(input_signature=[unknown, unknown])
+    def dynamic(a, b, compression=compression):
+      return strategy.run(lambda: transport.socket_all_reduce(
+          [a, b], compression=compression, connect_timeout_s=120,
+          timeout_s=60, fallback=None))
+
+    for shape, r in zip(DYNAMIC_SHAPES, dynamic(*[
+        tf.constant(_inputs(RANK, s, 50 + i))
+        for i, s in enumerate(DYNAMIC_SHAPES)])):
+      case = 50 + DYNAMIC_SHAPES.index(shape)
+      out[f"dynamic/{compression}/{shape}"] = _check(r.numpy(), case, shape)
     ring = transport.ring_for(strategy, connect_timeout_s=120, timeout_s=60)
     for j, size in enumerate(RING_SIZES):
       case = 100 + j

@@ -7,7 +7,10 @@ each tensor size it times a float32 tensor's sum over the workers, in a
 MultiWorkerMirroredStrategy does) or a `tfdist.perf` compression (``fp16``,
 ``bf16``), and tfdist's socket transport (`tfdist.strategy.transport`) sending
 float32 (``socket``), float16 (``socket_fp16``) or bfloat16
-(``socket_bf16``), both summing in float32. ``ring`` and ``ring_bf16`` time
+(``socket_bf16``), both summing in float32. ``socket_unaligned`` is ``socket`` with the tensor cut 3 values past
+its middle, as a model whose layer sizes are not multiples of 16 packs its
+gradients (the halves of the others start on 64-byte boundaries).
+``ring`` and ``ring_bf16`` time
 the same socket ring called directly on numpy buffers, outside TensorFlow:
 the transport alone, without the packing copy and the ``tf.function`` /
 ``tf.numpy_function`` call; ``ring_polled`` is ``ring`` with every step
@@ -52,6 +55,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "socket": ("socket", "none"),
     "socket_fp16": ("socket", "fp16"),
     "socket_bf16": ("socket", "bf16"),
+    "socket_unaligned": ("socket_unaligned", "none"),
     "ring": ("ring", "none"),
     "ring_bf16": ("ring", "bf16"),
     "ring_polled": ("ring_polled", "none"),
@@ -70,7 +74,8 @@ def _reduce_fn(strategy, method: str, sources, repeats: int):
 
   ``sources`` are the halves of the tensor, reduced in one call as an
   optimizer reduces a model's gradients (TensorFlow packs them into one
-  collective, the socket transport into one buffer). Through TensorFlow the
+  collective, the socket transport into one buffer); ``socket_unaligned``
+  moves the cut 3 values on. Through TensorFlow the
   repeats are a ``tf.range`` loop in one ``tf.function`` call, as a training
   loop of several steps runs, so the call's fixed cost is shared.
   """
@@ -102,7 +107,13 @@ def _reduce_fn(strategy, method: str, sources, repeats: int):
       for _ in range(repeats):
         once()
     return run_ring
-  if kind == "socket":
+  if kind in ("socket", "socket_unaligned"):
+    if kind == "socket_unaligned":
+      with tf.init_scope():
+        whole = tf.concat([tf.identity(s) for s in sources], 0)
+        cut = int(sources[0].shape[0]) + 3
+        sources = [tf.Variable(whole[:cut], trainable=False),
+                   tf.Variable(whole[cut:], trainable=False)]
 
     def reduce_once():
       summed = transport.socket_all_reduce(

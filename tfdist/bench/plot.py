@@ -17,6 +17,7 @@ METHOD_LABELS = {
     "socket": "tfdist socket, float32",
     "socket_fp16": "tfdist socket, fp16",
     "socket_bf16": "tfdist socket, bf16",
+    "socket_unaligned": "tfdist socket, float32, gradients off 64-byte bounds",
     "ring": "ring alone, float32",
     "ring_bf16": "ring alone, bf16",
     "ring_polled": "ring alone, float32, one polling thread",

@@ -42,8 +42,9 @@ The ``socket`` transport, step by step:
 * **Packing**: one all-reduce per step. Every dense floating gradient is
   cast to float32, flattened and concatenated, in the optimizer's variable
   order (the same on every worker), into one buffer; a
-  ``tf.numpy_function`` hands it to the ring; the sum is split back and cast
-  to each gradient's dtype. Sparse gradients (``IndexedSlices``) are made
+  ``tf.numpy_function`` hands it to the ring; each gradient starts on a
+  64-byte boundary, so its sum returns to TensorFlow as a view of that
+  buffer (no copy), cast to the gradient's dtype. Sparse gradients (``IndexedSlices``) are made
   dense first; other dtypes (float64, integers) take the collective path.
 * **Wire dtype**: ``compression`` picks it: ``none`` sends float32, ``fp16``
   float16, ``bf16`` bfloat16. Sums accumulate in float32 either way.
@@ -572,30 +573,70 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
   tensors = [dense[i] for i in packed]
   wire = _WIRE[compression]
   tag = _signature(tensors)
-  flat = tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1])
-                    for g in tensors], axis=0)
-  # Several gradients: ``flat`` is concat's new buffer, read by nothing but
-  # the all-reduce, which sums into it and returns it: TensorFlow takes the
-  # array back without a copy. One gradient: ``flat`` may share the
-  # gradient's buffer, so the sum goes to a buffer of its own (copied out).
-  in_place = len(tensors) > 1
-  spare: list[np.ndarray] = []
+  pieces, counts = _pack(tensors)
+  flat = tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+  # Two pieces or more that are surely not empty: ``flat`` is concat's new
+  # buffer, read by nothing but the all-reduce, which sums into it. Else
+  # ``flat`` may be a gradient's own buffer: the sum gets a buffer of its own.
+  in_place = sum((p.shape.num_elements() or 0) > 0 for p in pieces) > 1
 
-  def reduce(buffer):
-    if in_place:
-      return ring.all_reduce(buffer, wire=wire, tag=tag, out=buffer)
-    if not spare or spare[0].size != buffer.size:
-      spare[:] = [np.empty(buffer.size, np.float32)]
-    return ring.all_reduce(buffer, wire=wire, tag=tag, out=spare[0])
+  def reduce(buffer, sizes):
+    out = buffer if in_place else _aligned_empty(buffer.size)
+    ring.all_reduce(buffer, wire=wire, tag=tag, out=out)
+    return _views(out, sizes)
 
-  summed = tf.numpy_function(reduce, [flat], tf.float32, stateful=True,
+  summed = tf.numpy_function(reduce, [flat, counts],
+                             [tf.float32] * len(tensors), stateful=True,
                              name="tfdist_socket_all_reduce")
-  summed.set_shape(flat.shape)
-  sizes = [g.shape.num_elements() for g in tensors]
-  if any(s is None for s in sizes):
-    sizes = tf.stack([tf.size(g) for g in tensors])
-  for i, g, piece in zip(packed, tensors,
-                         tf.split(summed, sizes, num=len(tensors))):
-    shape = g.shape if g.shape.is_fully_defined() else tf.shape(g)
+  for i, g, piece in zip(packed, tensors, summed):
+    static = g.shape.is_fully_defined()
+    piece.set_shape([g.shape.num_elements() if static else None])
+    shape = g.shape if static else tf.shape(g)
     result[i] = tf.cast(tf.reshape(piece, shape), g.dtype)
   return result
+
+
+#: Each gradient starts at a multiple of this many float32 values (64 bytes,
+#: TensorFlow's tensor alignment) in the packed buffer, so every sum goes
+#: back to TensorFlow as a view of that buffer: a ``tf.numpy_function``
+#: output that starts on a 64-byte boundary is taken without a copy (where
+#: ``tf.split`` copies every piece unless all offsets are aligned).
+_ALIGN = 16
+
+
+def _pack(tensors: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], tf.Tensor]:
+  """The pieces to concatenate (gradients as float32, zeros to align them).
+
+  Returns:
+    The flat float32 pieces, each gradient followed by the zeros that bring
+    the next one to a multiple of `_ALIGN` (none where that is 0), and the
+    gradients' element counts as an int64 tensor.
+  """
+  pieces, counts = [], []
+  for g in tensors:
+    flat = tf.reshape(tf.cast(g, tf.float32), [-1])
+    count = g.shape.num_elements()
+    pieces.append(flat)
+    if count is None:  # Only known when the graph runs.
+      count = tf.size(flat, out_type=tf.int64)
+      pieces.append(tf.zeros(tf.math.floormod(-count, _ALIGN), tf.float32))
+    elif count % _ALIGN:
+      pieces.append(tf.zeros([-count % _ALIGN], tf.float32))
+    counts.append(tf.cast(count, tf.int64))
+  return pieces, tf.stack(counts)
+
+
+def _views(out: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+  """The gradients' sums: views of ``out`` laid out as `_pack` packed them."""
+  views, start = [], 0
+  for count in counts.tolist():
+    views.append(out[start:start + count])
+    start += count + (-count % _ALIGN)
+  return views
+
+
+def _aligned_empty(size: int) -> np.ndarray:
+  """A new float32 array of ``size`` values on a 64-byte boundary."""
+  raw = np.empty(size + _ALIGN, np.float32)
+  skip = (-raw.ctypes.data % (_ALIGN * 4)) // 4
+  return raw[skip:skip + size]
