@@ -44,8 +44,9 @@ The ``socket`` transport, step by step:
   order (the same on every worker), into one buffer; a
   ``tf.numpy_function`` hands it to the ring; each gradient starts on a
   64-byte boundary, so its sum returns to TensorFlow as a view of that
-  buffer (no copy), cast to the gradient's dtype. Sparse gradients (``IndexedSlices``) are made
-  dense first; other dtypes (float64, integers) take the collective path.
+  buffer (no copy), cast to the gradient's dtype. Sparse gradients
+  (``IndexedSlices``) are made dense first; other dtypes (float64,
+  integers) take the collective path.
 * **Wire dtype**: ``compression`` picks it: ``none`` sends float32, ``fp16``
   float16, ``bf16`` bfloat16. Sums accumulate in float32 either way.
 * **Finding peers**: hosts come from the strategy's cluster resolver
@@ -619,7 +620,8 @@ def _pack(tensors: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], tf.Tensor]:
     pieces.append(flat)
     if count is None:  # Only known when the graph runs.
       count = tf.size(flat, out_type=tf.int64)
-      pieces.append(tf.zeros(tf.math.floormod(-count, _ALIGN), tf.float32))
+      pieces.append(tf.zeros([tf.math.floormod(-count, _ALIGN)],
+                             tf.float32))
     elif count % _ALIGN:
       pieces.append(tf.zeros([-count % _ALIGN], tf.float32))
     counts.append(tf.cast(count, tf.int64))
