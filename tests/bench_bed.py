@@ -11,6 +11,13 @@ them (needs root, as the bed does; minutes)::
   sudo .venv/bin/python tests/bench_bed.py --hosts 2 --rates 1gbit 10gbit \\
       --json docs/bench_hosts.json --plot docs/bench_hosts_plot.png
 
+With ``--doubling`` it times small all-reduces instead, the ring against
+recursive doubling (`tfdist.bench.doubling`, no TensorFlow), on 2, 3 and 4
+hosts (``--doubling-hosts``) at each rate::
+
+  sudo .venv/bin/python tests/bench_bed.py --doubling --rates 1gbit 10gbit \\
+      --json docs/bench_doubling_hosts.json
+
 Each report of the script carries ``bed``: the host count, the rate and the
 machine's load averages (``os.getloadavg``) just before and just after its
 run, since the bed's hosts share this machine's cores with whatever else
@@ -27,6 +34,7 @@ import sys
 import tempfile
 
 from tfdist import _net
+from tfdist.bench import doubling as doubling_lib
 from tfdist.bench import hosts as hosts_lib
 
 import cluster_utils
@@ -74,6 +82,17 @@ def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float,
   return report, outs, [p.returncode for p in procs]
 
 
+def doubling_on_bed(rate: str, *, hosts: int, sizes_kb: list[int],
+                    windows: int, timeout: float) -> dict:
+  """`tfdist.bench.doubling.measure` across ``hosts`` hosts of the bed."""
+  names = host_names(hosts)
+  with netbed.NetBed(hosts=names, rate=rate) as bed:
+    return doubling_lib.measure(
+        ranks=(hosts,), sizes_kb=sizes_kb, windows=windows,
+        timeout_s=timeout, hosts=[bed.address(h) for h in names],
+        wrap=lambda rank, argv: bed.command(names[rank], argv))
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
@@ -83,7 +102,31 @@ def main() -> int:
   parser.add_argument("--json", required=True)
   parser.add_argument("--plot")
   parser.add_argument("--timeout", type=float, default=1200)
+  parser.add_argument("--doubling", action="store_true",
+                      help="small all-reduces: ring against recursive "
+                           "doubling")
+  parser.add_argument("--doubling-hosts", type=int, nargs="+",
+                      default=[2, 3, 4])
   args = parser.parse_args()
+  if args.doubling:
+    results = {}
+    for rate in args.rates:
+      for n in args.doubling_hosts:
+        before = os.getloadavg()
+        result = doubling_on_bed(rate, hosts=n, sizes_kb=[1, 4, 16, 64, 256],
+                                 windows=3 if args.quick else 7,
+                                 timeout=args.timeout)
+        result["bed"] = {"hosts": n, "rate": rate,
+                         "load_before": list(before),
+                         "load_after": list(os.getloadavg())}
+        results[f"{rate}/{n}"] = result
+        print(f"bench_bed: {rate}, {n} hosts, ring time / doubling time by "
+              "KiB: " + ", ".join(
+                  f"{kb}: {v['speedup']:.2f}"
+                  for kb, v in result["ranks"][str(n)].items()), flush=True)
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1, sort_keys=True)
+    return 0
   reports = {}
   with tempfile.TemporaryDirectory() as workdir:
     for rate in args.rates:

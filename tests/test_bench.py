@@ -84,6 +84,14 @@ class QuickBenchTest(absltest.TestCase):
     self.assertContainsSubset({"none", "fp16", "bf16", "socket",
                                "socket_fp16", "socket_bf16"}, set(sweep))
     self.assertGreater(report["raw"]["allreduce"]["loopback_bytes_per_s"], 0)
+    small = report["raw"]["allreduce"]["small"]  # Ring against doubling.
+    self.assertEqual(set(small["ranks"]), {"2", "3"})
+    for per_size in small["ranks"].values():
+      self.assertEqual(set(per_size), {"4", "256"})
+      for figures in per_size.values():
+        self.assertAlmostEqual(figures["speedup"],
+                               figures["ring_s"] / figures["doubling_s"])
+    self.assertEqual(small["default_limit_bytes"]["2"], 32 << 10)
     self.assertEqual(
         report["raw"]["allreduce"]["method"],
         allreduce.method_name(scaling.RECOMMENDED["transport"],

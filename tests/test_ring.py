@@ -24,8 +24,10 @@ import stalls
 import tfdist
 from tfdist import perf
 from tfdist.ring import connection
+from tfdist.ring import doubling
 from tfdist.ring import exchange
 from tfdist.ring import schedule
+from tfdist.ring import socket_ring
 from tfdist.ring import wire as wire_lib
 
 SIZES = [0, 1, 2, 3, 5, 7, 1001, (1 << 16) + 3]
@@ -213,6 +215,74 @@ class ScheduleTest(parameterized.TestCase):
 
 
 # The wire format.
+
+
+def _simulate_doubling(inputs):
+  """A whole recursive-doubling all-reduce of ``inputs`` from its steps.
+
+  Each round, every rank whose next step names a partner whose next step
+  names it back swaps buffers with it (both read before either writes).
+
+  Returns:
+    Each rank's output.
+  """
+  size = len(inputs)
+  bufs = [x.copy() for x in inputs]
+  plans = [doubling.steps(r, size) for r in range(size)]
+  done = [0] * size
+  for _ in range(4 * size):  # Far more rounds than any schedule needs.
+    for r in range(size):
+      if done[r] == len(plans[r]):
+        continue
+      mine = plans[r][done[r]]
+      q = mine.partner
+      if done[q] == len(plans[q]) or plans[q][done[q]].partner != r:
+        continue
+      theirs = plans[q][done[q]]
+      sent = {r: bufs[r].copy(), q: bufs[q].copy()}
+      for me, other, step in ((r, q, mine), (q, r, theirs)):
+        if step.kind == doubling.ADD:
+          bufs[me] = bufs[me] + sent[other]
+        elif step.kind == doubling.TAKE:
+          bufs[me] = sent[other]
+      done[r] += 1
+      done[q] += 1
+  assert done == [len(p) for p in plans], (done, plans)
+  return bufs
+
+
+class DoublingScheduleTest(parameterized.TestCase):
+
+  @parameterized.parameters(range(1, 18))
+  def test_every_rank_ends_with_the_same_bits_of_the_sum(self, size):
+    inputs = [_inputs(r, 1001) for r in range(size)]
+    outs = _simulate_doubling(inputs)
+    for out in outs[1:]:
+      np.testing.assert_array_equal(out, outs[0])
+    np.testing.assert_allclose(
+        outs[0], sum(x.astype(np.float64) for x in inputs), rtol=0,
+        atol=1e-5 * size)
+
+  @parameterized.parameters(range(1, 18))
+  def test_partners_agree_and_steps_are_few(self, size):
+    for r in range(size):
+      for step in doubling.steps(r, size):
+        self.assertNotEqual(step.partner, r)
+        self.assertIn(r, doubling.partners(step.partner, size))
+    longest = max(len(doubling.steps(r, size)) for r in range(size))
+    self.assertEqual(doubling.exchanges(size), longest)
+    if size > 3:  # Fewer latencies than the ring's 2 (size - 1).
+      self.assertLess(doubling.exchanges(size), 2 * (size - 1))
+
+  @parameterized.named_parameters(
+      ("one", 1, 0), ("two", 2, 1), ("three", 3, 3), ("four", 4, 2),
+      ("five", 5, 4), ("eight", 8, 3), ("sixty_four", 64, 6))
+  def test_exchanges(self, size, expected):
+    self.assertEqual(doubling.exchanges(size), expected)
+
+  def test_rank_out_of_range(self):
+    with self.assertRaisesRegex(ValueError, "rank 3"):
+      doubling.steps(3, 3)
 
 
 class WireTest(parameterized.TestCase):
@@ -443,11 +513,22 @@ def _make_rings(n, rendezvous=None, **kwargs):
           for i in range(n)]
 
 
+def _timed_loss(ring, data):
+  """All-reduces ``data``: the `WorkerLostError` and its running time, or
+  ``None`` when the call returned."""
+  start = time.monotonic()
+  try:
+    ring.all_reduce(data)
+  except tfdist.WorkerLostError as e:
+    return e, stalls.running_since(start)
+  return None
+
+
 _RING_KEYS = itertools.count()
 
 
-@pytest.mark.timeout(STALL_S * 5)
-class SocketRingTest(parameterized.TestCase):
+class _RingsTestCase(parameterized.TestCase):
+  """Rings made by a test, closed after it."""
 
   def setUp(self):
     super().setUp()
@@ -461,6 +542,10 @@ class SocketRingTest(parameterized.TestCase):
   def _rings(self, n, **kwargs):
     self.rings = _make_rings(n, **kwargs)
     return self.rings
+
+
+@pytest.mark.timeout(STALL_S * 5)
+class SocketRingTest(_RingsTestCase):
 
   @parameterized.product(n=[2, 3], wire=["float32", "float16", "bfloat16"],
                          threaded=[exchange.THREADED_BYTES, 0])
@@ -566,12 +651,7 @@ class SocketRingTest(parameterized.TestCase):
         time.sleep(0.5)
         ring.close()  # Instead of all-reducing: like a process that exits.
         return None
-      start = time.monotonic()
-      try:
-        ring.all_reduce(np.ones(1 << 16, np.float32))
-      except tfdist.WorkerLostError as e:
-        return e, stalls.running_since(start)
-      return None
+      return _timed_loss(ring, np.ones(1 << 16, np.float32))
 
     (error, seconds), _ = _on_each(rings, fn)
     self.assertIn("worker:0 lost worker:1 (127.0.0.1)", str(error))
@@ -590,12 +670,7 @@ class SocketRingTest(parameterized.TestCase):
       if r == 1:
         time.sleep(4)  # Connected, but never all-reduces.
         return None
-      start = time.monotonic()
-      try:
-        ring.all_reduce(np.ones(100, np.float32))
-      except tfdist.WorkerLostError as e:
-        return e, stalls.running_since(start)
-      return None
+      return _timed_loss(ring, np.ones(100, np.float32))
 
     (error, seconds), _ = _on_each(rings, fn)
     self.assertIn("worker:1", str(error))
@@ -630,6 +705,87 @@ class SocketRingTest(parameterized.TestCase):
     for got in results:
       np.testing.assert_array_equal(got, np.full(5, 3.0))
 
+
+
+@pytest.mark.timeout(STALL_S * 5)
+class DoublingRingTest(_RingsTestCase):
+  """`SocketRing` choosing recursive doubling for small float32 buffers."""
+
+  @parameterized.parameters(2, 3, 4, 5, 6)
+  def test_doubling_sums_as_the_ring_does(self, n):
+    rings = self._rings(n, doubling_bytes=1 << 30)
+    plain = _make_rings(n, doubling_bytes=0)
+    self.rings += plain
+    sizes = [1, 7, 1001, 20001]
+
+    def fn(r, pair):
+      doubled, ringed = pair
+      out = [doubled.all_reduce(_inputs(r, s)) for s in sizes]
+      data = _inputs(r, 1001)
+      same = doubled.all_reduce(data, out=data)  # In place.
+      return out, [ringed.all_reduce(_inputs(r, s)) for s in sizes], (
+          same is data, data, doubled.calls, ringed.connected)
+
+    results = _on_each(list(zip(rings, plain)), fn)
+    for r, (doubled, ringed, (in_place, data, calls, connected)) in (
+        enumerate(results)):
+      for i, size in enumerate(sizes):
+        np.testing.assert_array_equal(doubled[i], results[0][0][i])
+        np.testing.assert_allclose(doubled[i], ringed[i], rtol=0,
+                                   atol=1e-5 * n)
+        self.assertEqual(doubled[i].shape, (size,))
+      self.assertTrue(in_place)
+      np.testing.assert_array_equal(data, doubled[sizes.index(1001)])
+      self.assertEqual(calls, len(sizes) + 1)
+      self.assertTrue(connected)
+    if n > 2:  # Partners of their own; the ring's connections unused.
+      self.assertFalse(rings[0].connected)
+
+  def test_compressed_wires_take_the_ring(self):
+    rings = self._rings(3, doubling_bytes=1 << 30)
+    results = _on_each(rings, lambda r, ring: (
+        ring.all_reduce(_inputs(r, 100), wire="bfloat16"), ring.connected))
+    for got, connected in results:
+      np.testing.assert_array_equal(got, results[0][0])
+      self.assertTrue(connected)
+
+  def test_limit_by_ring_size(self):
+    self.assertEqual(perf.SocketRing(
+        rank=0, hosts=["a"], rendezvous=LocalRendezvous(),
+        key="k").doubling_bytes, 0)
+    limits = {n: socket_ring.doubling_limit(n) for n in (2, 3, 4, 8, 64)}
+    self.assertEqual(limits[2], 32 << 10)  # Same bytes, half the steps.
+    self.assertLess(limits[3], limits[4])  # 3 exchanges against 4 steps.
+    for n in (3, 4, 8, 64):  # A faster link raises the crossover.
+      self.assertGreaterEqual(
+          socket_ring.doubling_limit(n, bytes_per_s=1.2e9), limits[n])
+
+  @parameterized.parameters(-1, 1.5, "64k")
+  def test_bad_doubling_bytes_is_a_config_error(self, value):
+    with self.assertRaisesRegex(tfdist.ConfigError, "doubling_bytes"):
+      perf.SocketRing(rank=0, hosts=["a", "b"], rendezvous=LocalRendezvous(),
+                      key="k", doubling_bytes=value)
+
+  def test_lost_partner_fails_every_rank_and_stays_failed(self):
+    rings = self._rings(4, doubling_bytes=1 << 30, timeout_s=60)
+
+    def fn(r, ring):
+      ring.all_reduce(np.ones(10, np.float32))  # Every partner connected.
+      if r == 3:
+        ring.close()  # Like a process that exits.
+        return None
+      return _timed_loss(ring, np.ones(10, np.float32))
+
+    results = _on_each(rings, fn)
+    for r in (1, 2):  # Rank 3's partners name it.
+      error, seconds = results[r]
+      self.assertIn(f"worker:{r} lost worker:3", str(error))
+      self.assertLess(seconds, 30)  # Not the 60 s timeout.
+    self.assertIsInstance(results[0][0], tfdist.WorkerLostError)
+    for r in (0, 1, 2):
+      self.assertIs(rings[r].failure, results[r][0])
+      with self.assertRaises(tfdist.WorkerLostError):  # Stays failed.
+        rings[r].all_reduce(np.ones(3, np.float32))
 
 
 if __name__ == "__main__":

@@ -333,11 +333,27 @@ class TamperTest(parameterized.TestCase):
       self, offset, why, threaded):
     start = wire_lib.HELLO_SIZE + auth.MAC_SIZE  # After the dialer's hello.
     results = self._tampered(start + offset, authenticate_values=True,
-                             threaded_bytes=threaded)
+                             threaded_bytes=threaded, doubling_bytes=0)
     for got in results:  # No sum returned anywhere.
       self.assertIsInstance(got, tfdist.TfdistError, got)
     self.assertIn(why, str(results[0]))
     self.assertIn("worker:1", str(results[0]))
+
+  @parameterized.named_parameters(
+      ("header", 0, "all-reduce order"),
+      ("values", 1000, "failed its authentication"))
+  def test_altered_message_under_recursive_doubling(self, offset, why):
+    # One exchange each way: worker:0, which received the altered bytes,
+    # fails; worker:1 received worker:0's bytes untouched, so it may return
+    # the true sum before it learns, never one computed from altered bytes.
+    start = wire_lib.HELLO_SIZE + auth.MAC_SIZE
+    first, second = self._tampered(start + offset, authenticate_values=True,
+                                   doubling_bytes=1 << 20)
+    self.assertIsInstance(first, tfdist.TfdistError, first)
+    self.assertIn(why, str(first))
+    self.assertIn("worker:1", str(first))
+    if not isinstance(second, tfdist.TfdistError):
+      np.testing.assert_array_equal(second, np.full(50_000, 3.0))
 
   @parameterized.named_parameters(("polled", exchange.THREADED_BYTES),
                                   ("threaded", 0))

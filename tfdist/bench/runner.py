@@ -17,6 +17,7 @@ import time
 from typing import Any, Callable
 
 from tfdist.bench import allreduce as allreduce_lib
+from tfdist.bench import doubling as doubling_lib
 from tfdist.bench import memory as memory_lib
 from tfdist.bench import overhead as overhead_lib
 from tfdist.bench import report as report_lib
@@ -43,6 +44,11 @@ class BenchConfig:
     allreduce_mb: float32 tensor sizes of the all-reduce sweep.
     allreduce_iterations: timed all-reduces per size.
     loopback_mb: MiB per loopback transfer.
+    doubling_ranks: process counts of the small all-reduces, ring against
+      recursive doubling (`tfdist.bench.doubling`; no TensorFlow, so more
+      processes than cores).
+    doubling_kb: their float32 sizes in KiB.
+    doubling_windows: their timing windows per size and schedule.
     startup_repeats: start-up runs of each kind.
     timeout_s: limit on any one process group the bench starts.
     pin_cores: in the scaling clusters, bind worker i to core i modulo the
@@ -57,6 +63,9 @@ class BenchConfig:
   allreduce_mb: tuple[float, ...] = (1, 4, 16, 64)
   allreduce_iterations: int = 5
   loopback_mb: int = 512
+  doubling_ranks: tuple[int, ...] = (2, 3, 4, 8)
+  doubling_kb: tuple[int, ...] = (4, 64, 256, 1024)
+  doubling_windows: int = 5
   startup_repeats: int = 3
   timeout_s: float = 600.0
   pin_cores: bool = True
@@ -65,7 +74,9 @@ class BenchConfig:
 QUICK = BenchConfig(quick=True, overhead_steps=20, overhead_rounds=1,
                     train_steps=10, train_rounds=1, cluster_repeats=1,
                     allreduce_mb=(1, 4), allreduce_iterations=2,
-                    loopback_mb=64, startup_repeats=1, timeout_s=240.0)
+                    loopback_mb=64, doubling_ranks=(2, 3),
+                    doubling_kb=(4, 256), doubling_windows=2,
+                    startup_repeats=1, timeout_s=240.0)
 FULL = BenchConfig()
 
 _BATCH = {"mlp": 64, "cnn": 32}  # Per replica.
@@ -99,7 +110,11 @@ def _allreduce(c: BenchConfig, results: Results) -> dict:
       sweep, loopback, method=allreduce_lib.method_name(
           scaling_lib.RECOMMENDED["transport"],
           scaling_lib.RECOMMENDED["compression"]))
-  return {**summary, "loopback_bytes_per_s": loopback, "sweep": sweep}
+  small = doubling_lib.measure(ranks=c.doubling_ranks, sizes_kb=c.doubling_kb,
+                               windows=c.doubling_windows,
+                               timeout_s=c.timeout_s)
+  return {**summary, "loopback_bytes_per_s": loopback, "sweep": sweep,
+          "small": small}
 
 
 def _startup(c: BenchConfig, results: Results) -> dict:

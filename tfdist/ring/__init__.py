@@ -4,6 +4,8 @@ One module per seam, each testable alone:
 
 * `schedule`: which elements each rank sends, receives and adds at each
   step of the reduce-scatter and the all-gather (pure functions);
+* `doubling`: recursive doubling's partners, step by step, for small
+  buffers (pure functions);
 * `wire`: what crosses the sockets: hellos, call headers, encoded values;
 * `auth`: the job secret's challenge and response, and values' tags;
 * `connection`: the ring's members, listening and the hello exchange;

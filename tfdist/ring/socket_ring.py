@@ -20,6 +20,11 @@ all-reduce can.
   block just before it is sent and adding a block as soon as it is in, so
   the working set stays in cache. No helper threads, no hand-offs: an
   all-reduce of a few values takes about two round trips.
+* **Small buffers** (at most ``doubling_bytes``, float32 on the wire) take
+  recursive doubling instead (`tfdist.ring.doubling`): ``log2 n``
+  exchanges of the whole buffer with partners rather than ``2 (n - 1)``
+  steps, for a buffer whose cost is the steps' latency, not its bytes.
+  `doubling_limit` is where the model says the ring catches up.
 * **In place**: ``out=data`` sums into the input (no output buffer; what
   the TensorFlow glue does with its packed gradients).
 * **Connection** (`tfdist.ring.connection`): at the first call, or on
@@ -69,6 +74,7 @@ from tfdist.errors import ConfigError
 from tfdist.errors import WorkerLostError
 from tfdist.ring import auth
 from tfdist.ring import connection
+from tfdist.ring import doubling
 from tfdist.ring import exchange
 from tfdist.ring import schedule
 from tfdist.ring import wire as wire_lib
@@ -77,11 +83,59 @@ from tfdist.ring.wire import as_bytes
 from tfdist.ring.wire import decode
 from tfdist.ring.wire import encode
 
-__all__ = ["SocketRing", "DEFAULT_BLOCK_BYTES"]
+__all__ = ["SocketRing", "DEFAULT_BLOCK_BYTES", "doubling_limit"]
 
 #: Bytes (of float32) per pipelined block: small enough to stay in L2 cache,
 #: large enough that Python's per-block cost is noise.
 DEFAULT_BLOCK_BYTES = 512 << 10
+
+#: The link `doubling_limit` assumes by default: the slowest tfdist is
+#: measured on (1 Gbit/s: 0.95 of the line, as the bed's streams moved) and
+#: a step's latency in Python over it (the bed measured 13-28 us a hop).
+_SLOW_LINK_BYTES_PER_S = 0.95 * 125e6
+_STEP_LATENCY_S = 30e-6
+#: Recursive doubling sends the whole buffer in one message per exchange
+#: where the ring sends pieces, and adds only once all of it is in (the
+#: ring adds each block as it arrives). Measured (`tfdist.bench.doubling`;
+#: docs/benchmarks.md): up to 32 KiB it was as fast or faster everywhere
+#: (2 ranks: 1.1-1.9x; 4: 1.8-2.1x); above, single messages sometimes
+#: stalled on the bed's shaped links (2 hosts at 10 Gbit/s: 0.35x at 64 KiB
+#: in 2 runs of 3, 0.54x at 128 KiB). So never above this.
+_DOUBLING_CAP_BYTES = 32 << 10
+
+
+def doubling_limit(size: int, *, latency_s: float = _STEP_LATENCY_S,
+                   bytes_per_s: float = _SLOW_LINK_BYTES_PER_S) -> int:
+  """Bytes at or below which recursive doubling beats the ring, by the model.
+
+  A message of ``b`` bytes costs ``latency_s + b / bytes_per_s``; the ring
+  takes ``2 (n - 1)`` exchanges of ``S / n``, recursive doubling
+  `tfdist.ring.doubling.exchanges` exchanges of ``S``. Equal at
+  ``S* = (2 (n - 1) - e) latency_s bytes_per_s / (e - 2 (n - 1) / n)``,
+  capped at 32 KiB (at 2 ranks the model has no crossover; measured, a
+  single message above that sometimes stalled). The defaults assume a
+  1 Gbit/s link and 30 us a step: a faster link raises the crossover, so
+  by the model the limit is safe there too, and it leaves some gain (the
+  bed at 10 Gbit/s: 4 hosts 1.8x at 64 KiB) unused.
+
+  Args:
+    size: the number of ranks.
+    latency_s: one exchange's fixed cost.
+    bytes_per_s: the link's rate.
+
+  Returns:
+    The limit in bytes (float32 bytes of the buffer); 0 for one rank.
+  """
+  if size < 2:
+    return 0
+  e, ring = doubling.exchanges(size), 2 * (size - 1)
+  if e >= ring:
+    return 0
+  per_byte = e - ring / size
+  if per_byte <= 0:
+    return _DOUBLING_CAP_BYTES
+  crossover = (ring - e) * latency_s * bytes_per_s / per_byte
+  return int(min(crossover, _DOUBLING_CAP_BYTES))
 
 _warned_unauthenticated = False
 
@@ -121,11 +175,17 @@ class SocketRing:
       sent and received. Needs a secret.
     threaded_bytes: steps that receive at least this many bytes run a
       sending and a receiving thread (`tfdist.ring.exchange`).
+    doubling_bytes: float32 all-reduces of at most this many bytes take
+      recursive doubling (`tfdist.ring.doubling`: ``log2 n`` exchanges of
+      the whole buffer with partners, instead of the ring's ``2 (n - 1)``
+      steps); ``None``: `doubling_limit` of the ring's size; 0: never.
+      With more than two ranks each partner is a connection of its own
+      (one more listening port per partner, made at the first such call).
 
   Raises:
     ConfigError: a rank out of range, a non-positive timeout or
-      ``block_bytes``, malformed ``ports``, or ``authenticate_values``
-      without a secret.
+      ``block_bytes``, malformed ``ports``, ``authenticate_values``
+      without a secret, or a negative ``doubling_bytes``.
   """
 
   def __init__(self, *, rank: int, hosts: Sequence[str],
@@ -135,7 +195,8 @@ class SocketRing:
                block_bytes: int = DEFAULT_BLOCK_BYTES,
                source: str = "SocketRing", secret: bytes | str | None = None,
                ports: str | None = None, authenticate_values: bool = False,
-               threaded_bytes: int = exchange.THREADED_BYTES):
+               threaded_bytes: int = exchange.THREADED_BYTES,
+               doubling_bytes: int | None = None):
     hosts = tuple(hosts)
     self._members = connection.Members(
         rank=rank, hosts=hosts, source=source,
@@ -155,6 +216,14 @@ class SocketRing:
           field="authenticate_values", value=True, source=source,
           expected=f"a job secret ({_net.JOB_SECRET_VARIABLE} or secret=)")
     self._authenticate_values = bool(authenticate_values)
+    if doubling_bytes is None:
+      doubling_bytes = doubling_limit(len(hosts))
+    elif not (isinstance(doubling_bytes, int) and doubling_bytes >= 0):
+      raise ConfigError(field="doubling_bytes", value=doubling_bytes,
+                        source=source, expected="a whole number >= 0")
+    self._doubling_bytes = doubling_bytes
+    self._pairs: dict[int, SocketRing] = {}
+    self._ports_text = ports
     self._ports = connection.ring_ports(ports, source=source)
     self._rendezvous = rendezvous
     self._key = key
@@ -183,6 +252,12 @@ class SocketRing:
   @property
   def connected(self) -> bool:
     return self._link is not None
+
+  @property
+  def doubling_bytes(self) -> int:
+    """float32 bytes at or below which `all_reduce` takes recursive
+    doubling (0: never)."""
+    return self._doubling_bytes
 
   @property
   def calls(self) -> int:
@@ -302,12 +377,16 @@ class SocketRing:
         if flat_out.ctypes.data != x.ctypes.data:
           np.copyto(flat_out, x)
         return _shaped(out, data)
-      self._call_locked(
-          "all-reduce", x.size, wire, tag,
-          lambda header: self._reduce(x, flat_out, wire, header))
+      if wire == "float32" and 0 < x.size * 4 <= self._doubling_bytes:
+        self._double_locked(x, flat_out, tag)
+      else:
+        self._call_locked(
+            "all-reduce", x.size, wire, tag,
+            lambda header: self._reduce(x, flat_out, wire, header))
       return _shaped(out, data)
 
-  def send_receive(self, data: np.ndarray, out: np.ndarray) -> None:
+  def send_receive(self, data: np.ndarray, out: np.ndarray, *,
+                   tag: int = 0) -> None:
     """Sends ``data`` to the right neighbour, receives the left's into ``out``.
 
     The data movement of an all-reduce without its arithmetic, on the same
@@ -319,12 +398,20 @@ class SocketRing:
     Args:
       data: a contiguous float32 array.
       out: a writable contiguous float32 array of the same size.
+      tag: a number identifying the call site, checked against the peers'.
 
     Raises:
       WorkerLostError: a peer died or stopped.
       StartupTimeoutError: the ring could not connect.
     """
-    x, flat_out = data.reshape(-1), out.reshape(-1)
+    with self._lock:
+      if self.size == 1 and self._failure is None:
+        np.copyto(out.reshape(-1), data.reshape(-1))
+        return
+      self._send_receive_locked(data.reshape(-1), out.reshape(-1), tag=tag)
+
+  def _send_receive_locked(self, x: np.ndarray, flat_out: np.ndarray, *,
+                           tag: int, what: str = "exchange") -> None:
 
     def move(header):
       head_in = bytearray(wire_lib.HEADER_SIZE)
@@ -335,11 +422,66 @@ class SocketRing:
           [(head_in, lambda: self._check_header(head_in, header), 0)]
           + [(as_bytes(flat_out[lo:hi]), None, -1) for lo, hi in blocks])
 
+    self._call_locked(what, x.size, "float32", tag, move)
+
+  def _swap(self, data: np.ndarray, out: np.ndarray, tag: int) -> None:
+    """One exchange of a recursive-doubling all-reduce, with the partner."""
     with self._lock:
-      if self.size == 1 and self._failure is None:
-        np.copyto(flat_out, x)
-        return
-      self._call_locked("exchange", x.size, "float32", 0, move)
+      self._send_receive_locked(data, out, tag=tag, what="all-reduce")
+
+  def _double_locked(self, x: np.ndarray, out: np.ndarray, tag: int) -> None:
+    """Sums ``x`` into ``out`` by recursive doubling (`tfdist.ring.doubling`).
+
+    With two ranks the partner is the ring's neighbour, over the ring's own
+    connections; with more, each partner has a ring of two of its own. A
+    partner's failure closes this ring and every partner's, for good.
+    """
+    if self._failure is not None:
+      raise self._failure
+    if out.ctypes.data != x.ctypes.data:
+      np.copyto(out, x)
+    scratch = self._wire("float32", x.size)[0][:x.size]
+    if self.size == 2:  # One exchange, with the ring's neighbour.
+      self._send_receive_locked(out, scratch, tag=tag, what="all-reduce")
+      np.add(out, scratch, out=out)
+      return
+    self._calls += 1
+    try:
+      for step in doubling.steps(self.rank, self.size):
+        pair = self._pair(step.partner)
+        if step.kind == doubling.TAKE:
+          pair._swap(scratch, out, tag)  # pylint: disable=protected-access
+        else:
+          pair._swap(out, scratch, tag)  # pylint: disable=protected-access
+          if step.kind == doubling.ADD:
+            np.add(out, scratch, out=out)
+    except BaseException as e:
+      # The partner's own error (a WorkerLostError naming it, a timeout).
+      self._failure = e if isinstance(e, Exception) else WorkerLostError(
+          f"socket transport: an all-reduce of {self._members.me} was "
+          f"interrupted ({e!r}); the ring is out of step and closed")
+      self._close_locked()
+      raise
+
+  def _pair(self, partner: int) -> "SocketRing":
+    """The ring of two joining this rank and ``partner`` (made once)."""
+    pair = self._pairs.get(partner)
+    if pair is None:
+      lo, hi = sorted((self.rank, partner))
+      members = self._members
+      pair = SocketRing(
+          rank=0 if self.rank == lo else 1,
+          hosts=(members.hosts[lo], members.hosts[hi]),
+          names=(members.names[lo], members.names[hi]),
+          rendezvous=self._rendezvous, key=f"{self._key}/pair/{lo}-{hi}",
+          connect_timeout_s=self._connect_timeout_s,
+          timeout_s=self._timeout_s, block_bytes=self._block * 4,
+          source=self._source, secret=self._secret,
+          ports=self._ports_text,
+          authenticate_values=self._authenticate_values,
+          threaded_bytes=self._threaded_bytes, doubling_bytes=0)
+      self._pairs[partner] = pair
+    return pair
 
   def _call_locked(self, what: str, length: int, wire: str, tag: int,
                    move: Callable[[bytes], None]) -> None:
@@ -477,3 +619,5 @@ class SocketRing:
     if self._link is not None:
       self._link.close()
     self._link = None
+    for pair in self._pairs.values():
+      pair.close()

@@ -58,7 +58,9 @@ The ``socket`` transport, step by step:
   cluster address (every interface only when that is not an address of this
   host, logged), on a port the OS picks, or the first free one of
   ``socket_ports`` / ``TFDIST_RING_PORTS`` (e.g. ``20000-20100``, to open
-  in a firewall).
+  in a firewall). Small buffers take recursive doubling
+  (`tfdist.ring.SocketRing`'s ``doubling_bytes``): with 3 workers or more
+  each doubling partner gets a connection, and a port, of its own.
 * **Who may join**: workers prove the job's secret (``TFDIST_JOB_SECRET``,
   which ``tfdist launch`` and ``tfdist slurm`` set, or ``socket_secret``)
   to each other when they connect (`tfdist.ring.auth`); anything else
