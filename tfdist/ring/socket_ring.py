@@ -97,10 +97,11 @@ _STEP_LATENCY_S = 30e-6
 #: Recursive doubling sends the whole buffer in one message per exchange
 #: where the ring sends pieces, and adds only once all of it is in (the
 #: ring adds each block as it arrives). Measured (`tfdist.bench.doubling`;
-#: docs/benchmarks.md): up to 32 KiB it was as fast or faster everywhere
-#: (2 ranks: 1.1-1.9x; 4: 1.8-2.1x); above, single messages sometimes
-#: stalled on the bed's shaped links (2 hosts at 10 Gbit/s: 0.35x at 64 KiB
-#: in 2 runs of 3, 0.54x at 128 KiB). So never above this.
+#: docs/benchmarks.md): with 2 ranks, where the model has no crossover, it
+#: was as fast or faster up to 16 KiB everywhere (1.0-1.9x); above, single
+#: messages sometimes stalled on the bed's shaped links (2 hosts at
+#: 10 Gbit/s: 0.35x at 64 KiB in 2 runs of 3, 0.54x at 128 KiB). So never
+#: above this.
 _DOUBLING_CAP_BYTES = 32 << 10
 
 
