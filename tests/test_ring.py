@@ -26,6 +26,7 @@ from tfdist import perf
 from tfdist.ring import connection
 from tfdist.ring import doubling
 from tfdist.ring import exchange
+from tfdist.ring import pieces
 from tfdist.ring import schedule
 from tfdist.ring import socket_ring
 from tfdist.ring import wire as wire_lib
@@ -283,6 +284,32 @@ class DoublingScheduleTest(parameterized.TestCase):
   def test_rank_out_of_range(self):
     with self.assertRaisesRegex(ValueError, "rank 3"):
       doubling.steps(3, 3)
+
+
+class PiecesTest(parameterized.TestCase):
+  """`tfdist.ring.pieces`: spans of arrays read as their concatenation."""
+
+  @parameterized.parameters(([5],), ([3, 0, 4, 1],), ([0, 0, 2, 0],),
+                            ([1] * 7,), ([9, 16, 1000],))
+  def test_views_cover_each_span_once_in_order(self, sizes):
+    arrays = [np.arange(k, dtype=np.float32) + 100 * i
+              for i, k in enumerate(sizes)]
+    x = pieces.Pieces(arrays)
+    whole = np.concatenate(arrays)
+    self.assertEqual(x.size, whole.size)
+    for lo in range(whole.size + 1):
+      for hi in range(lo, min(whole.size, lo + 20) + 1):
+        found = x.views(lo, hi)
+        joined = (np.concatenate([v for _, v in found]) if found
+                  else np.empty(0, np.float32))
+        np.testing.assert_array_equal(joined, whole[lo:hi])
+        self.assertEqual([at for at, _ in found],
+                         list(np.cumsum([0] + [v.size for _, v in found])
+                              [:-1]))
+        if len(arrays) > 1:  # Views of the arrays themselves, no copies.
+          for _, v in found:
+            self.assertTrue(v.size and any(
+                np.shares_memory(v, a) for a in arrays))
 
 
 class WireTest(parameterized.TestCase):
@@ -603,6 +630,51 @@ class SocketRingTest(_RingsTestCase):
       np.testing.assert_array_equal(out, _inputs((r - 1) % n, 10007))
       np.testing.assert_allclose(
           after, sum(_inputs(k, 5) for k in range(n)), rtol=1e-6)
+
+  @parameterized.product(n=[2, 3], wire=["float32", "bfloat16"],
+                         threaded=[exchange.THREADED_BYTES, 0])
+  def test_a_list_sums_as_its_concatenation(self, n, wire, threaded):
+    """Blocks of 1024 values span several arrays, and arrays several
+    blocks; the sum has the bits of the concatenation's."""
+    sizes = [3, 0, 1500, 1, 7000, 16, 20001, 2]
+    rings = self._rings(n, threaded_bytes=threaded, doubling_bytes=0)
+
+    def fn(r, ring):
+      data = [_inputs(r * 100 + i, k) for i, k in enumerate(sizes)]
+      whole = ring.all_reduce(np.concatenate(data), wire=wire)
+      listed = ring.all_reduce(data, wire=wire)
+      in_place = [d.copy() for d in data]
+      same = ring.all_reduce(in_place, wire=wire, out=in_place)
+      return whole, listed, in_place, same
+
+    for whole, listed, in_place, same in _on_each(rings, fn):
+      self.assertEqual([a.size for a in listed], sizes)
+      np.testing.assert_array_equal(np.concatenate(listed), whole)
+      np.testing.assert_array_equal(np.concatenate(in_place), whole)
+      self.assertTrue(all(a is b for a, b in zip(same, in_place)))
+
+  @parameterized.parameters(1, 2, 3)
+  def test_a_small_list_takes_doubling(self, n):
+    rings = self._rings(n, doubling_bytes=1 << 20)
+    results = _on_each(rings, lambda r, ring: ring.all_reduce(
+        [_inputs(r, 5), _inputs(r + 10, 0), _inputs(r + 20, 9)]))
+    expected = [sum(_inputs(r + k, s) for r in range(n))
+                for k, s in ((0, 5), (10, 0), (20, 9))]
+    for got in results:
+      for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-6)
+    # Two ranks double over the ring's own connection; three over pairs of
+    # their own, leaving the ring's unconnected (the ring would connect it).
+    self.assertEqual(rings[0].connected, n == 2)
+
+  def test_bad_out_list_is_a_config_error(self):
+    ring, = self._rings(1)
+    data = [np.ones(3, np.float32), np.ones(2, np.float32)]
+    with self.assertRaisesRegex(tfdist.ConfigError, "a list of 2 arrays"):
+      ring.all_reduce(data, out=[np.ones(5, np.float32)])
+    with self.assertRaisesRegex(tfdist.ConfigError, "2 values"):
+      ring.all_reduce(data, out=[np.ones(3, np.float32),
+                                 np.ones(3, np.float32)])
 
   def test_bad_out_is_a_config_error(self):
     ring, = self._rings(1)

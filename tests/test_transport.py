@@ -179,13 +179,49 @@ def _assert_both_workers_equal(outs):
 
 
 @pytest.mark.timeout(400)
+class PackingTest(parameterized.TestCase):
+  """How gradients reach the ring, and the buffers their sums land in."""
+
+  @parameterized.named_parameters(
+      ("small_ones_packed", [10, 3, 5], [[0, 1, 2]]),
+      ("large_ones_alone", [70_000, 65_536, 3, 5, 80_000, 7],
+       [[0], [1], [2, 3], [4], [5]]),
+      ("just_under_alone", [65_535, 65_535], [[0, 1]]),
+      ("unknown_sizes_packed", [None, 70_000, None], [[0], [1], [2]]))
+  def test_groups(self, sizes, expected):
+    specs = [tf.TensorSpec([s], tf.float32) for s in sizes]
+    self.assertEqual(transport_lib.ALONE_BYTES, 65_536 * 4)
+    # pylint: disable-next=protected-access
+    self.assertEqual(transport_lib._groups(specs), expected)
+
+  def test_a_buffer_is_reused_once_no_view_holds_it(self):
+    buffers = transport_lib._Buffers(keep=2)  # pylint: disable=protected-access
+    first = buffers.take(1000)
+    view = first[10:20]
+    address = first.ctypes.data
+    del first
+    second = buffers.take(1000)  # `view` still sees the first.
+    self.assertFalse(np.shares_memory(second, view))
+    self.assertEqual(second.ctypes.data % 64, 0)
+    second_address = second.ctypes.data
+    del second
+    self.assertEqual(buffers.take(1000).ctypes.data, second_address)
+    del view
+    again = [buffers.take(1000) for _ in range(2)]
+    self.assertCountEqual([a.ctypes.data for a in again],
+                          [address, second_address])
+    third = buffers.take(1000)  # Both in use, two kept: a new one.
+    self.assertNotIn(third.ctypes.data, [address, second_address])
+    self.assertEqual([a.size for a in again + [third]], [1000] * 3)
+
+
 class ClusterTest(parameterized.TestCase):
   """Two MultiWorkerMirrored processes on localhost."""
 
   def test_sums_exact_in_float32_and_close_compressed(self):
     _, (a, b) = _cluster("sums")
     self.assertEqual(a["cases"].keys(), b["cases"].keys())
-    self.assertLen(a["cases"], 3 * 17)
+    self.assertLen(a["cases"], 3 * 19)
     for case, got in a["cases"].items():
       # Both workers hold the same bits.
       self.assertEqual(got["digest"], b["cases"][case]["digest"], case)

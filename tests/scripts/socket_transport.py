@@ -49,8 +49,11 @@ from tfdist import perf  # pylint: disable=g-import-not-at-top
 from tfdist.strategy import transport  # pylint: disable=g-import-not-at-top
 from tfdist.training import _worker_errors  # pylint: disable=g-import-not-at-top
 
-# Gradient shapes: a scalar, empty, odd lengths, more than one 512 KiB block.
-SHAPES = [(), (0,), (1,), (3,), (5, 7), (1001,), (3, 0), (300_001,)]
+# Gradient shapes: a scalar, empty, odd lengths, more than one 512 KiB block;
+# those of 256 KiB and more (transport.ALONE_BYTES) reach the ring unpacked,
+# first, between packed runs and last.
+SHAPES = [(70_001,), (), (0,), (1,), (3,), (5, 7), (300_001,), (1001,),
+          (3, 0), (200, 400)]
 DYNAMIC_SHAPES = [(17,), (5,)]
 RING_SIZES = [0, 1, 2, 3, 5, 1001, (1 << 20) + 3]
 WIRES = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}

@@ -6,6 +6,8 @@ One module per seam, each testable alone:
   step of the reduce-scatter and the all-gather (pure functions);
 * `doubling`: recursive doubling's partners, step by step, for small
   buffers (pure functions);
+* `pieces`: a list of arrays read as their concatenation, never made (a
+  model's gradients, summed as one buffer without packing them);
 * `wire`: what crosses the sockets: hellos, call headers, encoded values;
 * `auth`: the job secret's challenge and response, and values' tags;
 * `connection`: the ring's members, listening and the hello exchange;

@@ -27,6 +27,10 @@ all-reduce can.
   `doubling_limit` is where the model says the ring catches up.
 * **In place**: ``out=data`` sums into the input (no output buffer; what
   the TensorFlow glue does with its packed gradients).
+* **Lists**: a list of arrays is summed as their concatenation without
+  making it (`tfdist.ring.pieces`): a block spanning several arrays is
+  sent as their views and added view by view, so a model's large
+  gradients reach the ring with no packing copy.
 * **Connection** (`tfdist.ring.connection`): at the first call, or on
   `SocketRing.connect`, through a `Rendezvous`, listening on this process's
   own address within ``ports``; a stray connection is dropped and waited
@@ -76,6 +80,7 @@ from tfdist.ring import auth
 from tfdist.ring import connection
 from tfdist.ring import doubling
 from tfdist.ring import exchange
+from tfdist.ring import pieces
 from tfdist.ring import schedule
 from tfdist.ring import wire as wire_lib
 from tfdist.ring.wire import WIRE_DTYPES
@@ -139,6 +144,28 @@ def doubling_limit(size: int, *, latency_s: float = _STEP_LATENCY_S,
   return int(min(crossover, _DOUBLING_CAP_BYTES))
 
 _warned_unauthenticated = False
+
+
+def _apart(xs: list[np.ndarray], outs: list[np.ndarray]) -> list[np.ndarray]:
+  """``xs``, each copied where it overlaps its output without being it."""
+  return [x.copy() if (np.may_share_memory(x, o)
+                       and x.ctypes.data != o.ctypes.data) else x
+          for x, o in zip(xs, outs)]
+
+
+def _encode(views: list[tuple[int, np.ndarray]], into: np.ndarray
+            ) -> memoryview:
+  """Rounds float32 ``views`` (offset, values) into the wire buffer ``into``."""
+  for at, v in views:
+    encode(v, into[at:at + v.size])
+  return as_bytes(into)
+
+
+def _decode(received: np.ndarray, views: list[tuple[int, np.ndarray]]
+            ) -> None:
+  """Widens wire values ``received`` into float32 ``views`` (offset, into)."""
+  for at, v in views:
+    decode(received[at:at + v.size], v)
 
 
 def _shaped(out: np.ndarray, data) -> np.ndarray:
@@ -331,23 +358,29 @@ class SocketRing:
 
   # All-reduce.
 
-  def all_reduce(self, data: np.ndarray, *, wire: str = "float32",
-                 tag: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+  def all_reduce(self, data: np.ndarray | Sequence[np.ndarray], *,
+                 wire: str = "float32", tag: int = 0,
+                 out: np.ndarray | Sequence[np.ndarray] | None = None
+                 ) -> np.ndarray | list[np.ndarray]:
     """The element-wise sum of ``data`` over every process of the ring.
 
     Every process must call with the same length, ``wire`` and ``tag``, in
     the same order.
 
     Args:
-      data: a float32 array (any shape; summed flat).
+      data: a float32 array (any shape; summed flat), or a list of float32
+        arrays summed as their concatenation without making it
+        (`tfdist.ring.pieces`: a model's gradients as they are).
       wire: the dtype sent, one of `WIRE_DTYPES`.
       tag: a number identifying the call site, checked against the peers'.
-      out: a contiguous float32 array of ``data``'s size for the sum;
-        ``data`` itself sums in place. A new array when omitted.
+      out: where the sum goes. For an array, a contiguous float32 array of
+        ``data``'s size; for a list, a list of such arrays of its arrays'
+        sizes, in order. ``data`` itself sums in place. New arrays when
+        omitted.
 
     Returns:
-      ``out`` (or a new float32 array), shaped as ``data``, holding the
-      same bits on every process.
+      ``out`` (or new float32 arrays) holding the same bits on every
+      process: an array shaped as ``data``, or a list of flat arrays.
 
     Raises:
       WorkerLostError: a peer closed its connection, failed or sent nothing
@@ -359,32 +392,61 @@ class SocketRing:
     if wire not in WIRE_DTYPES:
       raise ConfigError(field="wire", value=wire, source=self._source,
                         expected=f"one of {sorted(WIRE_DTYPES)}")
+    if isinstance(data, (list, tuple)):
+      xs = [np.ascontiguousarray(d, dtype=np.float32).reshape(-1)
+            for d in data]
+      if out is None:
+        out = [np.empty(x.size, np.float32) for x in xs]
+      elif (not isinstance(out, (list, tuple)) or len(out) != len(xs)):
+        raise ConfigError(field="out", value=type(out).__name__,
+                          source=self._source,
+                          expected=f"a list of {len(xs)} arrays, as data")
+      outs = [self._checked_out(o, x.size) for o, x in zip(out, xs)]
+      self._sum(pieces.Pieces(_apart(xs, outs)), pieces.Pieces(outs), wire,
+                tag)
+      return list(out)
     x = np.ascontiguousarray(data, dtype=np.float32).reshape(-1)
     if out is None:
       out = np.empty(x.size, np.float32)
-    elif (not isinstance(out, np.ndarray) or out.dtype != np.float32
-          or out.size != x.size or not out.flags.c_contiguous
-          or not out.flags.writeable):
+    flat_out = self._checked_out(out, x.size)
+    self._sum(pieces.Pieces(_apart([x], [flat_out])),
+              pieces.Pieces([flat_out]), wire, tag)
+    return _shaped(out, data)
+
+  def _checked_out(self, out, size: int) -> np.ndarray:
+    """``out`` flat, if it can take a sum of ``size`` float32 values."""
+    if (not isinstance(out, np.ndarray) or out.dtype != np.float32
+        or out.size != size or not out.flags.c_contiguous
+        or not out.flags.writeable):
       raise ConfigError(field="out", value=type(out).__name__,
                         source=self._source,
                         expected=f"a writable contiguous float32 array of "
-                                 f"{x.size} values")
-    flat_out = out.reshape(-1)
-    if (np.may_share_memory(x, flat_out)
-        and x.ctypes.data != flat_out.ctypes.data):
-      x = x.copy()  # Overlapping but not the same: keep the input apart.
+                                 f"{size} values")
+    return out.reshape(-1)
+
+  def _sum(self, x: pieces.Pieces, out: pieces.Pieces, wire: str,
+           tag: int) -> None:
+    """Sums ``x`` into ``out`` (the same layout) by the ring or doubling."""
     with self._lock:
       if self.size == 1 and self._failure is None:
-        if flat_out.ctypes.data != x.ctypes.data:
-          np.copyto(flat_out, x)
-        return _shaped(out, data)
+        for a, b in zip(x.arrays, out.arrays):
+          if a.ctypes.data != b.ctypes.data:
+            np.copyto(b, a)
+        return
       if wire == "float32" and 0 < x.size * 4 <= self._doubling_bytes:
-        self._double_locked(x, flat_out, tag)
-      else:
-        self._call_locked(
-            "all-reduce", x.size, wire, tag,
-            lambda header: self._reduce(x, flat_out, wire, header))
-      return _shaped(out, data)
+        if len(x.arrays) == 1:
+          self._double_locked(x.arrays[0], out.arrays[0], tag)
+          return
+        flat = np.concatenate(x.arrays)  # At most doubling_bytes.
+        self._double_locked(flat, flat, tag)
+        start = 0
+        for o in out.arrays:
+          np.copyto(o, flat[start:start + o.size])
+          start += o.size
+        return
+      self._call_locked(
+          "all-reduce", x.size, wire, tag,
+          lambda header: self._reduce(x, out, wire, header))
 
   def send_receive(self, data: np.ndarray, out: np.ndarray, *,
                    tag: int = 0) -> None:
@@ -531,13 +593,15 @@ class SocketRing:
       self._wire_bufs[wire] = bufs
     return bufs
 
-  def _reduce(self, x: np.ndarray, out: np.ndarray, wire: str,
+  def _reduce(self, x: pieces.Pieces, out: pieces.Pieces, wire: str,
               header: bytes) -> None:
     """Sums ``x`` into ``out`` over the ring; the header goes first.
 
     Reduce-scatter, then all-gather, by `tfdist.ring.schedule`, for
     every ring of two or more processes. A segment is never written in the
-    step that sends it, so ``out`` may be ``x``.
+    step that sends it, so ``out`` may be ``x``. A block that spans several
+    arrays of ``x`` is sent as their views, one after the other, and added
+    view by view.
     """
     head_in = bytearray(wire_lib.HEADER_SIZE)
     n, r, block = self.size, self.rank, self._block
@@ -553,21 +617,26 @@ class SocketRing:
       src = x if s == 0 else out  # Then the partial sum of step s - 1.
       for lo, hi in schedule.blocks(step.send, block):
         if compressed:
-          sends.append(lambda lo=lo, hi=hi, slo=slo, src=src: encode(
-              src[lo:hi], send_buf[lo - slo:hi - slo]))
+          sends.append(lambda lo=lo, hi=hi, slo=slo, src=src: _encode(
+              src.views(lo, hi), send_buf[lo - slo:hi - slo]))
         else:
-          sends.append(lambda lo=lo, hi=hi, src=src: as_bytes(src[lo:hi]))
+          sends.extend(lambda v=v: as_bytes(v) for _, v in src.views(lo, hi))
       for lo, hi in schedule.blocks(step.recv, block):
         part = recv_buf[lo - rlo:hi - rlo]
+        pairs = [(at, xv, ov) for (at, xv), (_, ov)
+                 in zip(x.views(lo, hi), out.views(lo, hi))]
         if compressed:
 
-          def add(lo=lo, hi=hi, part=part):
-            np.add(x[lo:hi], decode(part, widened[:hi - lo]), out=out[lo:hi])
+          def add(part=part, pairs=pairs, size=hi - lo):
+            wide = decode(part, widened[:size])
+            for at, xv, ov in pairs:
+              np.add(xv, wide[at:at + xv.size], out=ov)
 
         else:
 
-          def add(lo=lo, hi=hi, part=part):
-            np.add(x[lo:hi], part, out=out[lo:hi])
+          def add(part=part, pairs=pairs):
+            for at, xv, ov in pairs:
+              np.add(xv, part[at:at + xv.size], out=ov)
 
         recvs.append((as_bytes(part), add, -1))
       self._link.exchange(sends, recvs)
@@ -576,13 +645,12 @@ class SocketRing:
       slo, rlo = step.send[0], step.recv[0]
       for lo, hi in schedule.blocks(step.send, block):
         if not compressed:
-          sends.append(lambda lo=lo, hi=hi: as_bytes(out[lo:hi]))
+          sends.extend(lambda v=v: as_bytes(v) for _, v in out.views(lo, hi))
         elif s == 0:  # The owned segment: round once, keep the rounding.
 
-          def own(lo=lo, hi=hi, slo=slo):
-            part = send_buf[lo - slo:hi - slo]
-            sent = encode(out[lo:hi], part)
-            decode(part, out[lo:hi])
+          def own(views=out.views(lo, hi), part=send_buf[lo - slo:hi - slo]):
+            sent = _encode(views, part)
+            _decode(part, views)
             return sent
 
           sends.append(own)
@@ -592,10 +660,10 @@ class SocketRing:
       for lo, hi in schedule.blocks(step.recv, block):
         if compressed:
           part = recv_buf[lo - rlo:hi - rlo]
-          recvs.append((as_bytes(part), lambda lo=lo, hi=hi, part=part:
-                        decode(part, out[lo:hi]), -1))
+          recvs.append((as_bytes(part), lambda part=part, views=out.views(
+              lo, hi): _decode(part, views), -1))
         else:
-          recvs.append((as_bytes(out[lo:hi]), None, -1))
+          recvs.extend((as_bytes(v), None, -1) for _, v in out.views(lo, hi))
       self._link.exchange(sends, recvs)
       sends, recvs = [], []
       if compressed:

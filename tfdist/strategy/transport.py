@@ -39,14 +39,17 @@ The ``socket`` transport, step by step:
   strategy with a single replica (nothing to reduce: gradients pass through).
   Several local replicas per worker, ParameterServerStrategy,
   CentralStorageStrategy and TPUStrategy raise `tfdist.ConfigError`.
-* **Packing**: one all-reduce per step. Every dense floating gradient is
-  cast to float32, flattened and concatenated, in the optimizer's variable
-  order (the same on every worker), into one buffer; a
-  ``tf.numpy_function`` hands it to the ring; each gradient starts on a
+* **Packing**: one all-reduce per step, of every dense floating gradient
+  cast to float32 and flattened, in the optimizer's variable order (the
+  same on every worker). A ``tf.numpy_function`` hands the ring each
+  gradient of `ALONE_BYTES` or more as it is, and each run of smaller ones
+  concatenated into one buffer; the ring sums them as one
+  (`tfdist.ring.pieces`), into one buffer where each gradient starts on a
   64-byte boundary, so its sum returns to TensorFlow as a view of that
-  buffer (no copy), cast to the gradient's dtype. Sparse gradients
-  (``IndexedSlices``) are made dense first; other dtypes (float64,
-  integers) take the collective path.
+  buffer (no copy), cast to the gradient's dtype. That buffer is reused by
+  later steps once TensorFlow has let go of its views (no page faults).
+  Sparse gradients (``IndexedSlices``) are made dense first; other dtypes
+  (float64, integers) take the collective path.
 * **Wire dtype**: ``compression`` picks it: ``none`` sends float32, ``fp16``
   float16, ``bf16`` bfloat16. Sums accumulate in float32 either way.
 * **Finding peers**: hosts come from the strategy's cluster resolver
@@ -82,6 +85,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import sys
 import threading
 import time
 import weakref
@@ -102,7 +106,7 @@ __all__ = ["TRANSPORTS", "TRANSPORT_VARIABLE", "Choice", "auto_rule",
            "choose", "plan", "agree", "record", "choice_of",
            "keras_all_reduce", "sum_pairs", "check_strategy", "peers",
            "CoordinationRendezvous", "ring_for", "socket_all_reduce",
-           "rings_of", "failure_of", "close_transports"]
+           "rings_of", "failure_of", "close_transports", "ALONE_BYTES"]
 
 #: Every transport name `make_strategy` and `GradientOptions` accept.
 TRANSPORTS: tuple[str, ...] = ("auto", "collective", "socket")
@@ -576,19 +580,32 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
   tensors = [dense[i] for i in packed]
   wire = _WIRE[compression]
   tag = _signature(tensors)
-  pieces, counts = _pack(tensors)
-  flat = tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-  # Two pieces or more that are surely not empty: ``flat`` is concat's new
-  # buffer, read by nothing but the all-reduce, which sums into it. Else
-  # ``flat`` may be a gradient's own buffer: the sum gets a buffer of its own.
-  in_place = sum((p.shape.num_elements() or 0) > 0 for p in pieces) > 1
+  packed_inputs = [_packed([tensors[i] for i in group])
+                   for group in _groups(tensors)]
+  inputs = [flat for flat, _ in packed_inputs]
+  # One input that is concat's new buffer, read by nothing but the
+  # all-reduce: the sum goes into it. Else an input may be a gradient's own
+  # buffer: the sum gets a buffer of its own.
+  in_place = len(packed_inputs) == 1 and packed_inputs[0][1]
+  counts = tf.stack([tf.size(t, out_type=tf.int64)
+                     if t.shape.num_elements() is None
+                     else tf.constant(t.shape.num_elements(), tf.int64)
+                     for t in tensors])
 
-  def reduce(buffer, sizes):
-    out = buffer if in_place else _aligned_empty(buffer.size)
-    ring.all_reduce(buffer, wire=wire, tag=tag, out=out)
+  def reduce(*args):
+    *xs, sizes = args
+    if in_place:
+      out = xs[0]
+    else:
+      out = _SUMS.take(sum(c + (-c % _ALIGN) for c in sizes.tolist()))
+    outs, start = [], 0
+    for x in xs:  # Each input's place in the packed layout of `_views`.
+      outs.append(out[start:start + x.size])
+      start += x.size + (-x.size % _ALIGN)
+    ring.all_reduce(xs, wire=wire, tag=tag, out=outs)
     return _views(out, sizes)
 
-  summed = tf.numpy_function(reduce, [flat, counts],
+  summed = tf.numpy_function(reduce, inputs + [counts],
                              [tf.float32] * len(tensors), stateful=True,
                              name="tfdist_socket_all_reduce")
   for i, g, piece in zip(packed, tensors, summed):
@@ -607,15 +624,41 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
 _ALIGN = 16
 
 
-def _pack(tensors: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], tf.Tensor]:
+#: A gradient of at least this many float32 bytes (its shape known when
+#: traced) reaches the ring as it is, an array of its own
+#: (`tfdist.ring.pieces`): packing it would read and write every value once
+#: more. Smaller ones, and those of unknown size, are packed together, so
+#: that a block of the ring never spans many tiny arrays.
+ALONE_BYTES = 256 << 10
+
+
+def _alone(g: tf.Tensor) -> bool:
+  """Whether ``g`` reaches the ring unpacked (`ALONE_BYTES`)."""
+  count = g.shape.num_elements()
+  return count is not None and count * 4 >= ALONE_BYTES
+
+
+def _groups(tensors: Sequence[tf.Tensor]) -> list[list[int]]:
+  """``tensors``' indices in order: each one alone (`_alone`), or a run of
+  neighbours packed into one buffer."""
+  groups: list[list[int]] = []
+  for i, g in enumerate(tensors):
+    if _alone(g):
+      groups.append([i])
+    elif groups and not _alone(tensors[groups[-1][-1]]):
+      groups[-1].append(i)
+    else:
+      groups.append([i])
+  return groups
+
+
+def _pack(tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
   """The pieces to concatenate (gradients as float32, zeros to align them).
 
-  Returns:
-    The flat float32 pieces, each gradient followed by the zeros that bring
-    the next one to a multiple of `_ALIGN` (none where that is 0), and the
-    gradients' element counts as an int64 tensor.
+  Each gradient, flat, is followed by the zeros that bring the next one to a
+  multiple of `_ALIGN` (none where that is 0).
   """
-  pieces, counts = [], []
+  pieces = []
   for g in tensors:
     flat = tf.reshape(tf.cast(g, tf.float32), [-1])
     count = g.shape.num_elements()
@@ -626,8 +669,20 @@ def _pack(tensors: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], tf.Tensor]:
                              tf.float32))
     elif count % _ALIGN:
       pieces.append(tf.zeros([-count % _ALIGN], tf.float32))
-    counts.append(tf.cast(count, tf.int64))
-  return pieces, tf.stack(counts)
+  return pieces
+
+
+def _packed(tensors: Sequence[tf.Tensor]) -> tuple[tf.Tensor, bool]:
+  """One input of the ring: the gradient itself if `_alone`, else
+  ``tensors`` packed by `_pack`; and whether it is a buffer of its own
+  (concatenated from two pieces or more that are surely not empty)."""
+  if len(tensors) == 1 and _alone(tensors[0]):
+    return tf.reshape(tf.cast(tensors[0], tf.float32), [-1]), False
+  pieces = _pack(tensors)
+  if len(pieces) == 1:
+    return pieces[0], False
+  return tf.concat(pieces, axis=0), sum(
+      (p.shape.num_elements() or 0) > 0 for p in pieces) > 1
 
 
 def _views(out: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
@@ -639,8 +694,53 @@ def _views(out: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
   return views
 
 
-def _aligned_empty(size: int) -> np.ndarray:
-  """A new float32 array of ``size`` values on a 64-byte boundary."""
-  raw = np.empty(size + _ALIGN, np.float32)
+def _aligned(raw: np.ndarray, size: int) -> np.ndarray:
+  """``size`` values of ``raw`` (``size + _ALIGN`` long) on a 64-byte
+  boundary."""
   skip = (-raw.ctypes.data % (_ALIGN * 4)) // 4
   return raw[skip:skip + size]
+
+
+class _Buffers:
+  """Buffers for the sums, reused once TensorFlow has let go of them.
+
+  A sum goes back to TensorFlow as views of its buffer, and TensorFlow holds
+  a reference to each view until it frees the tensor (``DelayedNumpyDecref``
+  in tensorflow/python/lib/core/ndarray_tensor_bridge.cc), and every view
+  one to the buffer: a buffer whose reference count is back to what this
+  class alone holds is not seen by any tensor, and the next step of its size
+  sums into it. A fresh buffer of 64 MiB costs its page faults, the kernel
+  zeroing each page when it is first written: more than the additions
+  written into it (docs/benchmarks.md).
+
+  Args:
+    keep: buffers kept per size (one in use, one TensorFlow has not let go
+      of yet).
+    sizes: sizes kept, the most recently used.
+  """
+
+  def __init__(self, *, keep: int = 2, sizes: int = 4):
+    self._keep, self._sizes = keep, sizes
+    self._held: dict[int, list[np.ndarray]] = {}
+    self._lock = threading.Lock()
+
+  def take(self, size: int) -> np.ndarray:
+    """A float32 array of ``size`` values on a 64-byte boundary, no other
+    array's."""
+    with self._lock:
+      held = self._held.pop(size, [])
+      self._held[size] = held  # The most recent size last.
+      while len(self._held) > self._sizes:
+        del self._held[next(iter(self._held))]
+      for raw in held:
+        # References: `held`, `raw` and getrefcount's argument; a view
+        # anywhere adds one.
+        if sys.getrefcount(raw) == 3:
+          return _aligned(raw, size)
+      raw = np.empty(size + _ALIGN, np.float32)
+      if len(held) < self._keep:
+        held.append(raw)
+      return _aligned(raw, size)
+
+
+_SUMS = _Buffers()
