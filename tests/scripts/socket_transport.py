@@ -117,7 +117,33 @@ def sums():
       r = ring.all_reduce(_inputs(RANK, (size,), case),
                           wire=WIRES[compression])
       out[f"ring/{compression}/{size}"] = _check(r, case, (size,))
-  return {"cases": out}
+  return {"cases": out, "reuse": _reuse()}
+
+
+def _reuse():
+  """The sums' buffers: reused by later calls once no tensor holds a sum,
+  never while one does (transport._Buffers)."""
+  big = tf.constant(_inputs(RANK, (300_001,), 7))  # Reaches the ring alone.
+
+  @tf.function
+  def step(scale):
+    return strategy.experimental_local_results(strategy.run(
+        lambda: transport.socket_all_reduce(
+            [big * scale], compression="none", connect_timeout_s=120,
+            timeout_s=60, fallback=None)[0]))[0]
+
+  sums = transport._SUMS  # pylint: disable=protected-access
+  step(tf.constant(1.0))  # Traces.
+  before = sums.allocations
+  for _ in range(6):  # As training does: each sum used, then dropped.
+    float(tf.reduce_sum(step(tf.constant(1.0))))
+  dropped = sums.allocations - before
+  scales = [1.0, 2.0, 4.0]  # Powers of 2: scaled sums are exact.
+  kept = [step(tf.constant(s)) for s in scales]
+  expected = _inputs(0, (300_001,), 7) + _inputs(1, (300_001,), 7)
+  return {"allocations_for_6_dropped": dropped,
+          "kept_exact": all(np.array_equal(k.numpy(), expected * s)
+                            for k, s in zip(kept, scales))}
 
 
 def _model_and_optimizer(options, build=job_common.model):

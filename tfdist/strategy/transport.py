@@ -723,6 +723,8 @@ class _Buffers:
     self._keep, self._sizes = keep, sizes
     self._held: dict[int, list[np.ndarray]] = {}
     self._lock = threading.Lock()
+    #: Buffers allocated so far (a reused one is not counted again).
+    self.allocations = 0
 
   def take(self, size: int) -> np.ndarray:
     """A float32 array of ``size`` values on a 64-byte boundary, no other
@@ -738,6 +740,7 @@ class _Buffers:
         if sys.getrefcount(raw) == 3:
           return _aligned(raw, size)
       raw = np.empty(size + _ALIGN, np.float32)
+      self.allocations += 1
       if len(held) < self._keep:
         held.append(raw)
       return _aligned(raw, size)
