@@ -676,6 +676,21 @@ class SocketRingTest(_RingsTestCase):
       ring.all_reduce(data, out=[np.ones(3, np.float32),
                                  np.ones(3, np.float32)])
 
+  def test_large_steps_share_one_sending_thread_that_close_ends(self):
+    before = set(threading.enumerate())
+    rings = self._rings(2, threaded_bytes=0)  # Every step threaded.
+    results = _on_each(rings, lambda r, ring: [
+        ring.all_reduce(_inputs(r, 1001)) for _ in range(5)])
+    np.testing.assert_array_equal(results[0], results[1])
+    senders = [t for t in threading.enumerate()
+               if t.name == "tfdist-ring-send" and t not in before]
+    self.assertLen(senders, 2)  # One per ring, for all 10 steps of each.
+    for ring in rings:
+      ring.close()
+    for t in senders:
+      t.join(timeout=STALL_S)
+      self.assertFalse(t.is_alive())
+
   def test_bad_out_is_a_config_error(self):
     ring, = self._rings(1)
     with self.assertRaisesRegex(tfdist.ConfigError, "out"):

@@ -7,9 +7,11 @@ reads whatever the kernel takes or has, runs each received block's callback
 as soon as the block is in, and waits in ``poll`` only when neither
 direction moves. No thread hand-offs (the lowest latency), and no deadlock
 when both sides send first. A large step is moved by two threads, one
-sending and one receiving (and adding), each in blocking calls that release
-the GIL: the kernel's copies in and out of the two sockets and the
-arithmetic can run at once, on two cores where there are two. Whether that
+sending (started at the first such step and kept: starting one per step
+cost about 90 us) and the caller receiving (and adding), each in blocking
+calls that release the GIL: the kernel's copies in and out of the two
+sockets and the arithmetic can run at once, on two cores where there are
+two. Whether that
 is faster is for the bench to say: ``tfdist bench --across-hosts`` times
 ``ring`` (this) beside ``ring_polled`` (every step in one thread) in one run.
 At 10 Gbit/s between two hosts of the test bed the one-thread ``exchange``
@@ -25,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import queue
 import select
 import socket
 import threading
@@ -83,6 +86,7 @@ class Link:
     self._seal = seal
     self._threaded_bytes = threaded_bytes
     self._poll = select.poll()
+    self._sender: _Sender | None = None  # Made at the first large step.
 
   def exchange(self, sends: Sends, recvs: Recvs) -> None:
     """One step: ``sends`` to the right neighbour, ``recvs`` from the left.
@@ -192,6 +196,7 @@ class Link:
     right, left = self._right, self._left
     sent = [0]  # sends written so far
     failure: list[PeerLost] = []
+    finished = [False]  # the sending is over, written or failed
     progress = threading.Condition()
     right.settimeout(_POLL_S)
     left.settimeout(_POLL_S)
@@ -221,11 +226,12 @@ class Link:
       except BaseException as e:  # An encoder failed: the step is torn.
         failure.append(PeerLost(self._right_rank, f"send failed: {e!r}"))
       with progress:
+        finished[0] = True
         progress.notify()
 
-    sender = threading.Thread(target=send_all, name="tfdist-ring-send",
-                              daemon=True)
-    sender.start()
+    if self._sender is None:
+      self._sender = _Sender()
+    self._sender.submit(send_all)
     try:
       self._receive_all(recvs, sent, failure, progress)
     except BaseException as e:
@@ -233,9 +239,8 @@ class Link:
           self._left_rank, f"the step was interrupted: {e!r}"))
       raise  # The sender stops within _POLL_S; the ring closes its sockets.
     with progress:  # The sender ends by itself or by a failure it meets.
-      while sender.is_alive() and not failure:
+      while not finished[0] and not failure:
         progress.wait(_POLL_S)
-    sender.join()
     if failure:
       raise failure[0]
     right.setblocking(False)
@@ -290,3 +295,34 @@ class Link:
         s.close()
       except OSError:
         pass
+    if self._sender is not None:
+      self._sender.close()
+
+
+class _Sender:
+  """The sending thread of large steps, kept from step to step.
+
+  Starting and joining a thread costs about 90 us on the 2-vCPU machines
+  the bench runs on, and every large step of every all-reduce needed one
+  (two per all-reduce with 2 workers, ``2 (n - 1)`` with n). Jobs run one
+  at a time, in order; `close` ends the thread once its job is done.
+  """
+
+  def __init__(self):
+    self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=self._run, name="tfdist-ring-send",
+                     daemon=True).start()
+
+  def _run(self) -> None:
+    while True:
+      job = self._jobs.get()  # Idle between steps; `close` wakes it.
+      if job is None:
+        return
+      job()
+
+  def submit(self, job: Callable[[], None]) -> None:
+    """Runs ``job`` in the thread (it reports its own end and errors)."""
+    self._jobs.put(job)
+
+  def close(self) -> None:
+    self._jobs.put(None)
