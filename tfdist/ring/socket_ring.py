@@ -439,10 +439,8 @@ class SocketRing:
           return
         flat = np.concatenate(x.arrays)  # At most doubling_bytes.
         self._double_locked(flat, flat, tag)
-        start = 0
-        for o in out.arrays:
-          np.copyto(o, flat[start:start + o.size])
-          start += o.size
+        for at, o in out.views(0, out.size):
+          np.copyto(o, flat[at:at + o.size])
         return
       self._call_locked(
           "all-reduce", x.size, wire, tag,
@@ -625,18 +623,11 @@ class SocketRing:
         part = recv_buf[lo - rlo:hi - rlo]
         pairs = [(at, xv, ov) for (at, xv), (_, ov)
                  in zip(x.views(lo, hi), out.views(lo, hi))]
-        if compressed:
 
-          def add(part=part, pairs=pairs, size=hi - lo):
-            wide = decode(part, widened[:size])
-            for at, xv, ov in pairs:
-              np.add(xv, wide[at:at + xv.size], out=ov)
-
-        else:
-
-          def add(part=part, pairs=pairs):
-            for at, xv, ov in pairs:
-              np.add(xv, part[at:at + xv.size], out=ov)
+        def add(part=part, pairs=pairs, size=hi - lo):
+          values = decode(part, widened[:size]) if compressed else part
+          for at, xv, ov in pairs:
+            np.add(xv, values[at:at + xv.size], out=ov)
 
         recvs.append((as_bytes(part), add, -1))
       self._link.exchange(sends, recvs)
