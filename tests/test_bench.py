@@ -143,6 +143,21 @@ class ReportTest(parameterized.TestCase):
     self.assertIn("allowed 0.950", report_lib._why(target, 0.6, 0.95))
     self.assertIn("no ceiling", report_lib._why(target, 0.6, None))
 
+  def test_missed_allreduce_names_the_ring_alone_and_the_busy_machine(self):
+    sweep = {"socket": {"4": {"machine_busy": 0.97}, "16": {}},
+             "ring": {"4": {}, "16": {}}}
+    why = report_lib._why(
+        report_lib.Target(key="x", bound=0.5), 0.3, 0.4,
+        report_lib._allreduce_evidence(
+            {"fractions": {"socket": 0.3, "ring": 0.36}, "method": "socket",
+             "sweep": sweep}))
+    self.assertIn("out of reach", why)
+    self.assertIn("without TensorFlow reached 0.360", why)
+    self.assertIn("97% busy during socket", why)
+    self.assertIsNone(report_lib._allreduce_evidence(
+        {"fractions": {"socket": 0.3}, "method": "socket",
+         "sweep": {"socket": {"4": {}}}}))
+
   def test_validate_names_the_bad_key(self):
     with self.assertRaisesRegex(report_lib.ReportError,
                                 "overhead_ratio: missing"):

@@ -13,6 +13,7 @@ from absl.testing import parameterized
 import pytest
 
 from tfdist.bench import hosts as hosts_lib
+from tfdist.bench import report as report_lib
 
 import bench_bed
 import cluster_utils
@@ -54,6 +55,22 @@ class AcrossHostsTest(parameterized.TestCase):
       self.assertAlmostEqual(
           report["raw"]["allreduce"]["fraction_of_link"][method]["4"],
           figures["busbw"] / link)
+    # Every miss says why, from this run's figures; the ceilings are there.
+    for key, entry in report["targets"].items():
+      if not entry["met"]:
+        self.assertIn("why", entry, key)
+        self.assertGreater(entry["machine_ceiling"], 0, key)
+    # The step at the link's rate: alone's step plus 2 (n - 1) / n of the
+    # gradients' bytes over the link.
+    training = report["raw"]["training"]
+    self.assertAlmostEqual(
+        training["link_step_s"],
+        1 / training["steps_per_s"]["alone"] + training["gradient_bytes"] / link)
+    self.assertEqual(training["gradient_bytes"], 4 * 8_403_978)
+    self.assertEqual(set(report["raw"]["training"]["steps_per_s"]),
+                     {"raw", "tfdist", "alone"})
+    busy = sweep["socket"]["4"]["machine_busy"]
+    self.assertTrue(0 < busy <= 1, busy)
     chief_out = next(o for o in outs if "across 2 workers" in o)
     self.assertIn("training_speedup_vs_raw", chief_out)
     self.assertTrue(any("the chief prints the report" in o for o in outs))
@@ -75,6 +92,91 @@ class AcrossHostsTest(parameterized.TestCase):
       # NCCL's bus bandwidth: 2 (n - 1) / n of the algorithm bandwidth.
       self.assertAlmostEqual(figures["busbw"], figures["algbw"] * 4 / 3)
     self.assertEqual(report["model_check"]["p"], 3)
+
+
+def _figures(share: float, seconds: float, busy: float) -> dict:
+  return {"busbw": share, "seconds": seconds, "machine_busy": busy}
+
+
+def _sweep(socket: dict, ring: dict, exchange: dict) -> dict:
+  """A two-host sweep whose bus bandwidths are shares of a link of 1 B/s."""
+  return {"socket": socket, "socket_bf16": socket, "ring": ring,
+          "ring_bf16": ring, "exchange": exchange}
+
+
+class WhyNotTest(parameterized.TestCase):
+  """A missed target's ``why`` comes from the same run's figures."""
+
+  @parameterized.named_parameters(
+      # The ring alone reaches the link; TensorFlow's hop is the gap.
+      ("hop", "allreduce_fraction_of_link",
+       {"4": _figures(0.8, 0.005, 0.7), "16": _figures(0.95, 0.017, 0.6)},
+       {"4": _figures(0.98, 0.004, 0.7), "16": _figures(0.97, 0.016, 0.6)},
+       {"4": _figures(1.0, 0.004, 0.6), "16": _figures(1.0, 0.016, 0.6)},
+       {"at_size_mb": "4", "machine_ceiling": 1.0, "machine_busy": 0.7},
+       ["lowest at 4 MiB", "TensorFlow's hop cost 1.00 ms",
+        "TensorFlow's hop is the gap"],
+       ["out of reach", "processors were the limit"]),
+      # Even the bytes alone stay under the target, on busy processors.
+      ("out_of_reach", "allreduce_fraction_of_link",
+       {"4": _figures(0.7, 0.005, 0.95), "16": _figures(0.6, 0.02, 0.96)},
+       {"4": _figures(0.75, 0.004, 0.95), "16": _figures(0.7, 0.018, 0.9)},
+       {"4": _figures(0.9, 0.004, 0.9), "16": _figures(0.85, 0.016, 0.9)},
+       {"at_size_mb": "16", "machine_ceiling": 0.85, "machine_busy": 0.96},
+       ["out of reach on this machine", "processors were the limit"], []),
+      # A 16-bit wire moves half the bytes: twice the exchange's share.
+      ("bf16", "bf16_fraction_of_link",
+       {"4": _figures(1.2, 0.005, 0.8)}, {"4": _figures(1.5, 0.004, 0.8)},
+       {"4": _figures(0.95, 0.004, 0.8)},
+       {"at_size_mb": "4", "machine_ceiling": 1.9, "machine_busy": 0.8},
+       ["exchange x2: half the bytes) 1.90", "the ring's own work is the gap"],
+       ["out of reach", "hop is the gap"]),
+  )
+  def test_allreduce(self, key, socket, ring, exchange, figures, said,
+                     unsaid):
+    target = next(t for t in hosts_lib.TARGETS if t.key == key)
+    sweep = _sweep(socket, ring, exchange)
+    fractions = {m: {s: f["busbw"] for s, f in per.items()}
+                 for m, per in sweep.items()}
+    out = hosts_lib.why_not(target, sweep=sweep, fractions=fractions,
+                            training={})
+    for name, value in figures.items():
+      if isinstance(value, float):
+        self.assertAlmostEqual(out[name], value, msg=name)
+      else:
+        self.assertEqual(out[name], value, name)
+    for text in said:
+      self.assertIn(text, out["why"])
+    for text in unsaid:
+      self.assertNotIn(text, out["why"])
+
+  @parameterized.named_parameters(
+      # 200 ms raw, 111 alone, 100 MB at 1 GB/s: 211 ms at the link's rate.
+      ("link_bound", {"raw": 5.0, "tfdist": 8.0, "alone": 9.0}, 0.1,
+       200 / 211.1, ["Out of reach on these hosts", "0.95x raw at most",
+                     "take 106% of raw's step; >= 2x needs 50% or less"]),
+      # 500 ms raw, 333 tfdist, 200 alone + 50 over the link.
+      ("reachable", {"raw": 2.0, "tfdist": 3.0, "alone": 5.0}, 0.05, 2.0,
+       ["250 ms with its 100.0 MB all-reduced", "tfdist saved 67% of that"]),
+  )
+  def test_training(self, speed, link_s, ceiling, said):
+    target = next(t for t in hosts_lib.TARGETS
+                  if t.key == "training_speedup_vs_raw")
+    training = {"steps_per_s": speed, "gradient_bytes": 100e6,
+                "link_step_s": 1 / speed["alone"] + link_s}
+    out = hosts_lib.why_not(target, sweep={}, fractions={},
+                            training=training)
+    self.assertAlmostEqual(out["machine_ceiling"], ceiling, places=3)
+    for text in said:
+      self.assertIn(text, out["why"])
+
+  def test_a_miss_without_a_why_is_refused(self):
+    report = {"headline": {k: 1.0 for k in hosts_lib.HEADLINE_KEYS},
+              "targets": {"training_speedup_vs_raw": {"met": False}},
+              "raw": {"allreduce": {"sweep": {}}}}
+    with self.assertRaisesRegex(report_lib.ReportError,
+                                "training_speedup_vs_raw is not met"):
+      hosts_lib.validate(report)
 
 
 class AcrossHostsInputTest(absltest.TestCase):

@@ -156,7 +156,10 @@ def sweep(strategy, *, sizes_mb: Sequence[float], methods: Sequence[str],
     "cpu_per_wall": ...}}}`` with bandwidths in bytes per second;
     ``cpu_per_wall`` is this process's CPU seconds (all its threads) per
     second of the calls: near the cores it may use, the all-reduce is
-    bound by the processor, not the link.
+    bound by the processor, not the link. ``machine_busy`` (where the
+    system has ``/proc/stat``) is the share of this machine's processors
+    busy over the timed calls, every process and the kernel's network work
+    included: near 1, no processor was left for a faster all-reduce.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   n = strategy.num_replicas_in_sync
@@ -171,19 +174,42 @@ def sweep(strategy, *, sizes_mb: Sequence[float], methods: Sequence[str],
       fn = _reduce_fn(strategy, name, sources, repeats)
       fn()  # Warm-up: traces and sets up the collective.
       times, cpu = [], []
+      ticks_before = _processor_ticks()
       for _ in range(iterations):
         start, start_cpu = time.perf_counter(), time.process_time()
         fn()
         wall = time.perf_counter() - start
         times.append(wall / repeats)
         cpu.append((time.process_time() - start_cpu) / wall)
+      ticks_after = _processor_ticks()
       t = statistics.median(times)
       algbw = elements * 4 / t
-      out[name][str(size)] = {"seconds": t, "algbw": algbw,
-                              "busbw": algbw * 2 * (n - 1) / n,
-                              "cpu_per_wall": statistics.median(cpu)}
+      figures = {"seconds": t, "algbw": algbw,
+                 "busbw": algbw * 2 * (n - 1) / n,
+                 "cpu_per_wall": statistics.median(cpu)}
+      if ticks_before and ticks_after and ticks_after[1] > ticks_before[1]:
+        figures["machine_busy"] = ((ticks_after[0] - ticks_before[0]) /
+                                   (ticks_after[1] - ticks_before[1]))
+      out[name][str(size)] = figures
     del sources
   return out
+
+
+def _processor_ticks() -> tuple[int, int] | None:
+  """(busy, all) clock ticks of every processor since boot; None off Linux.
+
+  From the first line of ``/proc/stat`` (proc(5)): user, nice, system,
+  idle, iowait, irq, softirq, steal (guest time is already in user); busy
+  is all but idle and iowait (steal counts as busy: the processor was not
+  this machine's to use).
+  """
+  try:
+    with open("/proc/stat") as f:
+      fields = [int(v) for v in f.readline().split()[1:9]]
+  except (OSError, ValueError):
+    return None
+  every = sum(fields)
+  return every - fields[3] - fields[4], every
 
 
 def loopback_bytes_per_s(total_mb: int = 256, chunk_mb: int = 4,

@@ -20,7 +20,17 @@ In one run, on the same hosts and sockets' routes:
 3. **training**: steps/s of ``wide_mlp`` (`tfdist.bench.models`, 33.6 MB of
    gradients a step), hand-written MultiWorkerMirroredStrategy code
    (``raw``) against tfdist's Runner with the socket transport
-   (``tfdist``), in alternating windows.
+   (``tfdist``), in alternating windows, and each worker training its own
+   copy with nothing exchanged (``alone``). A step at the link's rate takes
+   ``alone``'s step plus the gradients' bus bytes over the link: its steps/s
+   over ``raw``'s is ``training_ceiling_vs_raw``, the most any float32
+   all-reduce can gain on these hosts.
+
+Every target the run misses gets a ``why`` from figures of the same run
+(`why_not`): for an all-reduce, the same ring called without TensorFlow,
+the bytes moved with no arithmetic, and how busy the chief's machine was;
+for training, the step at the link's rate. A target beyond what the machine
+measured reachable is said to be so.
 
 The report's ``model_check`` sets each size's measured all-reduce times
 beside the ring's alpha-beta model (`tfdist.bench.projection`), from the
@@ -34,12 +44,14 @@ which targets (`TARGETS`) the figures meet.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Callable
 
 from tfdist.bench import allreduce as allreduce_lib
 from tfdist.bench import link as link_lib
+from tfdist.bench import models
 from tfdist.bench import projection
 from tfdist.bench import report as report_lib
 from tfdist.bench import runner
@@ -88,8 +100,8 @@ class HostsConfig:
 
 
 HOSTS_QUICK = HostsConfig(quick=True, sizes_mb=(4,),
-                          methods=("none", "socket", "socket_bf16",
-                                   "exchange"),
+                          methods=("none", "socket", "socket_bf16", "ring",
+                                   "ring_bf16", "exchange"),
                           iterations=2, link_seconds=1.0, link_repeats=1,
                           train_steps=3, train_rounds=1, warmup_steps=1)
 HOSTS_FULL = HostsConfig()
@@ -109,7 +121,11 @@ HEADLINE_KEYS: dict[str, type] = {
     "collective_fraction_of_link": float,
     "ceiling_fraction_of_link": float,
     "training_speedup_vs_raw": float,
+    "training_ceiling_vs_raw": float,
 }
+
+#: A machine this share busy or more had no processor left to go faster.
+BUSY = 0.9
 
 
 def run(config: HostsConfig, *, json_path: str | None = None,
@@ -149,7 +165,8 @@ def run(config: HostsConfig, *, json_path: str | None = None,
                               iterations=config.iterations)
   log(f"tfdist bench: training {_MODEL} ...")
   spec = {"models": {_MODEL: [{"name": "raw"},
-                              {"name": "tfdist", **scaling.RECOMMENDED}]},
+                              {"name": "tfdist", **scaling.RECOMMENDED},
+                              {"name": "alone"}]},
           "batch": {_MODEL: config.batch}, "steps": config.train_steps,
           "rounds": config.train_rounds,
           "warmup_steps": config.warmup_steps}
@@ -159,6 +176,7 @@ def run(config: HostsConfig, *, json_path: str | None = None,
     return None
   report = build(config=dataclasses.asdict(config), hosts=hosts, link=link,
                  sweep=sweep, train=train[_MODEL],
+                 gradient_bytes=4 * models.MODELS[_MODEL].build().count_params(),
                  machine=runner.machine())
   validate(report)
   if json_path:
@@ -170,8 +188,19 @@ def run(config: HostsConfig, *, json_path: str | None = None,
 
 
 def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
-          train: dict, machine: dict) -> dict:
-  """The report: headline ratios, targets met, and every raw figure."""
+          train: dict, gradient_bytes: int, machine: dict) -> dict:
+  """The report: headline ratios, targets met, and every raw figure.
+
+  Args:
+    config: the `HostsConfig` as a dict.
+    hosts: one per worker, by rank.
+    link: `tfdist.bench.link.measure`'s result.
+    sweep: `tfdist.bench.allreduce.sweep`'s result.
+    train: ``{variant: {"samples_per_s": ..., "windows_s": [...]}}`` for
+      ``raw``, ``tfdist`` and ``alone``.
+    gradient_bytes: float32 bytes of the model's gradients a step.
+    machine: `tfdist.bench.runner.machine`'s result.
+  """
   rate = link["bytes_per_s"]
   fractions = {m: {size: figures["busbw"] / rate
                    for size, figures in per_size.items()}
@@ -184,6 +213,13 @@ def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
 
   speed = {v: figures["samples_per_s"] / (config["batch"] * len(hosts))
            for v, figures in train.items()}
+  n = len(hosts)
+  # A step whose all-reduce runs at the link's rate: the compute (alone)
+  # plus the gradients' bus bytes over the link.
+  link_step_s = 1 / speed["alone"] + gradient_bytes * 2 * (n - 1) / n / rate
+  training = {"model": _MODEL, "steps_per_s": speed,
+              "gradient_bytes": gradient_bytes, "link_step_s": link_step_s,
+              "windows_s": {v: f["windows_s"] for v, f in train.items()}}
   headline = {
       "link_bytes_per_s": float(rate),
       "allreduce_fraction_of_link": smallest(_HEADLINE_METHOD),
@@ -191,24 +227,139 @@ def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
       "collective_fraction_of_link": smallest("none"),
       "ceiling_fraction_of_link": smallest("exchange"),
       "training_speedup_vs_raw": speed["tfdist"] / speed["raw"],
+      "training_ceiling_vs_raw": 1 / (link_step_s * speed["raw"]),
   }
   model = projection.check(
       sweep=sweep, p=len(hosts), link=projection.Link(
           bytes_per_s=rate, latency_s=link.get("hop_latency_s") or 0.0))
+  targets = {}
+  for t in TARGETS:
+    entry = {"target": t.text, "value": headline[t.key],
+             "met": t.met(headline[t.key])}
+    if not entry["met"]:
+      entry.update(why_not(t, sweep=sweep, fractions=fractions,
+                           training=training))
+    targets[t.key] = entry
   return {
       "kind": "across_hosts",
       "headline": headline,
       "model_check": model,
-      "targets": {t.key: {"target": t.text, "value": headline[t.key],
-                          "met": t.met(headline[t.key])} for t in TARGETS},
+      "targets": targets,
       "raw": {"hosts": hosts, "workers": len(hosts), "link": link,
               "allreduce": {"sweep": sweep, "fraction_of_link": fractions},
-              "training": {"model": _MODEL, "steps_per_s": speed,
-                           "windows_s": {v: f["windows_s"]
-                                         for v, f in train.items()}}},
+              "training": training},
       "config": config,
       "machine": machine,
   }
+
+
+def _lowest_size(fractions: dict, method: str) -> str:
+  """The size (of 4 MiB and up, where there are any) ``method`` did worst."""
+  shares = fractions[method]
+  big = [size for size in shares if float(size) >= 4] or list(shares)
+  return min(big, key=shares.get)
+
+
+def _why_allreduce(target: Target, *, sweep: dict, fractions: dict,
+                   method: str, direct: str, bytes_scale: float,
+                   **_) -> dict:
+  """A missed all-reduce target, from the same run's other methods.
+
+  At the size ``method`` did worst: ``direct`` (the same ring called on
+  numpy buffers, without TensorFlow) shows what TensorFlow's hop costs;
+  ``exchange`` (the bytes alone, no arithmetic) times ``bytes_scale`` (2
+  for a 16-bit wire, which moves half the bytes) is the machine's ceiling;
+  ``machine_busy`` says whether a processor was left.
+  """
+  size = _lowest_size(fractions, method)
+  figures = sweep[method][size]
+  parts = [f"lowest at {size} MiB: {fractions[method][size]:.2f} of the "
+           f"link in {figures['seconds'] * 1e3:.2f} ms a call"]
+  out: dict = {"at_size_mb": size}
+  if direct in sweep:
+    hop = figures["seconds"] - sweep[direct][size]["seconds"]
+    out["tensorflow_hop_s"] = hop
+    parts.append(f"the same ring without TensorFlow ({direct}) "
+                 f"{fractions[direct][size]:.2f}: TensorFlow's hop cost "
+                 f"{hop * 1e3:.2f} ms a call")
+  if "exchange" in sweep:
+    ceiling = fractions["exchange"][size] * bytes_scale
+    out["machine_ceiling"] = ceiling
+    parts.append(f"the bytes alone, no arithmetic (exchange"
+                 f"{' x2: half the bytes' if bytes_scale != 1 else ''}) "
+                 f"{ceiling:.2f}")
+  busy = figures.get("machine_busy")
+  if busy is not None:
+    out["machine_busy"] = busy
+    parts.append(f"the chief's machine {busy:.0%} busy")
+  verdict = []
+  if "machine_ceiling" in out and not target.met(out["machine_ceiling"]):
+    verdict.append("out of reach on this machine: moving the bytes alone "
+                   "stays under the target")
+  elif direct in sweep and target.met(fractions[direct][size]):
+    verdict.append("TensorFlow's hop is the gap: the ring alone meets the "
+                   "target")
+  elif direct in sweep:
+    verdict.append("the ring's own work is the gap: called alone it stays "
+                   "under the target, the bytes alone do not")
+  if busy is not None and busy >= BUSY:
+    verdict.append("its processors were the limit")
+  out["why"] = "; ".join(parts) + (". " + "; ".join(verdict) if verdict
+                                   else "")
+  return out
+
+
+def _why_training(target: Target, *, training: dict, **_) -> dict:
+  """A missed training target, from the step at the link's rate.
+
+  raw's step is the model's compute (``alone``: nothing exchanged) plus its
+  wait on TensorFlow's all-reduce; no float32 all-reduce waits less than
+  the gradients' bus bytes take over the link (``link_step_s``).
+  """
+  speed = training["steps_per_s"]
+  step = {v: 1e3 / s for v, s in speed.items()}  # ms a step.
+  at_link = training["link_step_s"] * 1e3
+  ceiling = step["raw"] / at_link
+  why = (f"a step took {step['raw']:.0f} ms raw, {step['tfdist']:.0f} ms "
+         f"with tfdist, {step['alone']:.0f} ms with nothing exchanged "
+         f"(alone), {at_link:.0f} ms with its "
+         f"{training['gradient_bytes'] / 1e6:.1f} MB all-reduced at the "
+         f"link's rate: {ceiling:.2f}x raw at most")
+  if not target.met(ceiling):
+    why += (f". Out of reach on these hosts: {step['alone']:.0f} ms of "
+            "compute and the gradients over the link take "
+            f"{at_link / step['raw']:.0%} of raw's step; {target.text}x "
+            f"needs {1 / target.bound:.0%} or less")
+  wait = step["raw"] - at_link  # What a faster all-reduce could save.
+  if wait > 0:
+    why += (f"; tfdist saved {(step['raw'] - step['tfdist']) / wait:.0%} "
+            "of that")
+  return {"machine_ceiling": ceiling, "why": why}
+
+
+#: How each target's miss is explained: target key -> explainer.
+_WHY: dict[str, Callable[..., dict]] = {
+    "allreduce_fraction_of_link": functools.partial(
+        _why_allreduce, method=_HEADLINE_METHOD, direct="ring",
+        bytes_scale=1),
+    "bf16_fraction_of_link": functools.partial(
+        _why_allreduce, method="socket_bf16", direct="ring_bf16",
+        bytes_scale=2),
+    "training_speedup_vs_raw": _why_training,
+}
+
+
+def why_not(target: Target, *, sweep: dict, fractions: dict,
+            training: dict) -> dict:
+  """Why ``target`` was missed, from figures measured in the same run.
+
+  Returns:
+    ``{"why": one line, ...}`` with the figures it rests on
+    (``machine_ceiling`` where the run measured one, ``machine_busy``,
+    ``tensorflow_hop_s``, ``at_size_mb``).
+  """
+  return _WHY[target.key](target, sweep=sweep, fractions=fractions,
+                          training=training)
 
 
 def validate(report: dict) -> None:
@@ -223,6 +374,12 @@ def validate(report: dict) -> None:
       raise report_lib.ReportError(
           f"across-hosts report: headline.{key} = {value!r}; expected a "
           f"positive {kind.__name__}")
+  for key, entry in report.get("targets", {}).items():
+    if not entry.get("met") and not (isinstance(entry.get("why"), str)
+                                     and entry["why"]):
+      raise report_lib.ReportError(
+          f"across-hosts report: targets.{key} is not met and has no why "
+          f"({entry.get('why')!r}); expected a line from this run's figures")
   for method, per_size in report["raw"]["allreduce"]["sweep"].items():
     for size, figures in per_size.items():
       for key in ("seconds", "algbw", "busbw"):
@@ -241,7 +398,10 @@ def format_table(report: dict) -> str:
   for key, t in report["targets"].items():
     lines.append(f"  {key:<30} {t['value']:7.3f}  target {t['target']:<7} "
                  f"{'met' if t['met'] else 'NOT met'}")
-  for key in ("collective_fraction_of_link", "ceiling_fraction_of_link"):
+    if "why" in t:
+      lines.append(f"    why: {t['why']}")
+  for key in ("collective_fraction_of_link", "ceiling_fraction_of_link",
+              "training_ceiling_vs_raw"):
     lines.append(f"  {key:<30} {h[key]:7.3f}")
   lines.append("  bus bandwidth / link, by tensor size (MiB):")
   fractions = raw["allreduce"]["fraction_of_link"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import statistics
 from typing import Any, Callable
 
 from tfdist.errors import TfdistError
@@ -95,6 +96,7 @@ def build(*, overhead: dict, scaling: dict, allreduce: dict, startup: dict,
       "allreduce_fraction_of_loopback": allreduce.get(
           "ceiling_fraction_of_loopback"),
   }
+  evidence = {"allreduce_fraction_of_loopback": _allreduce_evidence(allreduce)}
   report["targets"] = {}
   for t in TARGETS:
     value = _lookup(report, t.key)
@@ -104,7 +106,7 @@ def build(*, overhead: dict, scaling: dict, allreduce: dict, startup: dict,
       entry["share_of_ceiling"] = value / ceilings[t.key]
     if not entry["met"]:
       entry["short_by"] = abs(t.bound - value)
-      entry["why"] = _why(t, value, ceilings.get(t.key))
+      entry["why"] = _why(t, value, ceilings.get(t.key), evidence.get(t.key))
     report["targets"][t.key] = entry
   report["raw"] = {"overhead": overhead["cases"],
                    "options": overhead["options"], "scaling": scaling,
@@ -115,15 +117,38 @@ def build(*, overhead: dict, scaling: dict, allreduce: dict, startup: dict,
   return report
 
 
-def _why(target: Target, value: float, ceiling: float | None) -> str:
-  """One line on a missed target, from the ceiling measured beside it."""
+def _allreduce_evidence(allreduce: dict) -> str | None:
+  """What the sweep says of the headline method's gap to its ceiling.
+
+  The same ring called without TensorFlow (``ring``), and how busy the
+  machine's processors were while the headline method ran.
+  """
+  parts = []
+  ring = allreduce.get("fractions", {}).get("ring")
+  if ring:
+    parts.append(f"the same ring without TensorFlow reached {ring:.3f}")
+  method = allreduce.get("method")
+  busy = [f["machine_busy"] for f in
+          allreduce.get("sweep", {}).get(method, {}).values()
+          if "machine_busy" in f]
+  if busy:
+    parts.append(f"the machine was {statistics.median(busy):.0%} busy "
+                 f"during {method} (median over sizes)")
+  return "; ".join(parts) or None
+
+
+def _why(target: Target, value: float, ceiling: float | None,
+         evidence: str | None = None) -> str:
+  """One line on a missed target, from the figures measured beside it."""
   if ceiling is None:
-    return "no ceiling measured for this figure; see docs/benchmarks.md"
-  if not target.met(ceiling):
-    return (f"out of reach on this machine in this run: its ceiling was "
+    line = "no ceiling measured for this figure; see docs/benchmarks.md"
+  elif not target.met(ceiling):
+    line = (f"out of reach on this machine in this run: its ceiling was "
             f"{ceiling:.3f}; tfdist reached {value / ceiling:.2f} of it")
-  return (f"the machine allowed {ceiling:.3f} in this run; tfdist reached "
-          f"{value / ceiling:.2f} of it")
+  else:
+    line = (f"the machine allowed {ceiling:.3f} in this run; tfdist reached "
+            f"{value / ceiling:.2f} of it")
+  return f"{line}; {evidence}" if evidence else line
 
 
 def validate(report: dict) -> None:
