@@ -123,13 +123,13 @@ class WhyNotTest(parameterized.TestCase):
        {"4": _figures(0.75, 0.004, 0.95), "16": _figures(0.7, 0.018, 0.9)},
        {"4": _figures(0.9, 0.004, 0.9), "16": _figures(0.85, 0.016, 0.9)},
        {"at_size_mb": "16", "machine_ceiling": 0.85, "machine_busy": 0.96},
-       ["out of reach on this machine", "processors were the limit"], []),
+       ["Out of reach on this machine", "processors were the limit"], []),
       # A 16-bit wire moves half the bytes: twice the exchange's share.
       ("bf16", "bf16_fraction_of_link",
        {"4": _figures(1.2, 0.005, 0.8)}, {"4": _figures(1.5, 0.004, 0.8)},
        {"4": _figures(0.95, 0.004, 0.8)},
        {"at_size_mb": "4", "machine_ceiling": 1.9, "machine_busy": 0.8},
-       ["exchange x2: half the bytes) 1.90", "the ring's own work is the gap"],
+       ["exchange x2: half the bytes) 1.90", "The ring's own work is the gap"],
        ["out of reach", "hop is the gap"]),
   )
   def test_allreduce(self, key, socket, ring, exchange, figures, said,
@@ -148,7 +148,7 @@ class WhyNotTest(parameterized.TestCase):
     for text in said:
       self.assertIn(text, out["why"])
     for text in unsaid:
-      self.assertNotIn(text, out["why"])
+      self.assertNotIn(text.lower(), out["why"].lower())
 
   @parameterized.named_parameters(
       # 200 ms raw, 111 alone, 100 MB at 1 GB/s: 211 ms at the link's rate.

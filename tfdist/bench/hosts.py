@@ -304,8 +304,9 @@ def _why_allreduce(target: Target, *, sweep: dict, fractions: dict,
                    "under the target, the bytes alone do not")
   if busy is not None and busy >= BUSY:
     verdict.append("its processors were the limit")
-  out["why"] = "; ".join(parts) + (". " + "; ".join(verdict) if verdict
-                                   else "")
+  verdict_text = "; ".join(verdict)
+  out["why"] = "; ".join(parts) + (
+      f". {verdict_text[:1].upper()}{verdict_text[1:]}" if verdict else "")
   return out
 
 
