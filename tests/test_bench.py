@@ -109,6 +109,21 @@ class QuickBenchTest(absltest.TestCase):
                              delta=max(1e-6 * abs(expected), 1e-12))
     self.assertEqual(set(report["raw"]["scaling"]["scaling_ceiling"]),
                      {"cnn", "mlp"})
+    # The largest cluster's workers timed their own steps one by one: waiting
+    # for the slowest lowers the ceiling, never raises it.
+    scaling_raw = report["raw"]["scaling"]
+    for model in ("cnn", "mlp"):
+      straggler = scaling_raw["straggler"][model]
+      self.assertEqual(straggler["workers"], max(scaling_raw["worker_counts"]))
+      self.assertTrue(0 < straggler["sync_factor"] <= 1, straggler)
+      self.assertGreater(straggler["mean_step_s"], 0)
+      self.assertAlmostEqual(
+          scaling_raw["scaling_sync_ceiling"][model],
+          scaling_raw["scaling_ceiling"][model] * straggler["sync_factor"])
+      # The gradients' all-reduce, timed alone, lowers it further.
+      self.assertGreater(straggler["gradients_allreduce_s"], 0)
+      self.assertLess(scaling_raw["scaling_allreduce_ceiling"][model],
+                      scaling_raw["scaling_sync_ceiling"][model])
     for entry in report["targets"].values():  # A miss says by how much, why.
       self.assertTrue(entry["met"] or (entry["short_by"] > 0 and entry["why"]),
                       entry)
@@ -157,6 +172,28 @@ class ReportTest(parameterized.TestCase):
     self.assertIsNone(report_lib._allreduce_evidence(
         {"fractions": {"socket": 0.3}, "method": "socket",
          "sweep": {"socket": {"4": {}}}}))
+
+  @parameterized.named_parameters(
+      ("same_steps", [[1.0, 1.0], [1.0, 1.0]], 1.0),
+      # Steps 1 and 2 wait for 2 s: mean 1.5 over mean slowest 2.
+      ("one_slow_each_step", [[1.0, 2.0], [2.0, 1.0]], 0.75),
+      # A worker twice as slow: the other's speed is lost.
+      ("one_slow_worker", [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]], 0.75),
+      # Steps past the shortest list are not paired.
+      ("uneven_lists", [[1.0, 3.0], [1.0]], 1.0),
+  )
+  def test_sync_factor(self, steps, factor):
+    self.assertAlmostEqual(scaling.sync_factor(steps), factor)
+
+  def test_missed_scaling_names_the_slowest_worker(self):
+    why = report_lib._straggler_evidence(
+        {"workers": 2, "mean_step_s": 0.02, "sync_factor": 0.8,
+         "gradients_allreduce_s": 0.005}, 0.72, 0.576, 0.5)
+    self.assertIn("slowest of 2 workers", why)
+    self.assertIn("20.0 ms on average and each step's slowest 25.0 ms "
+                  "(ceiling 0.720)", why)
+    self.assertIn("took 5.00 ms (ceiling 0.576); tfdist reached 0.87 of that",
+                  why)
 
   def test_validate_names_the_bad_key(self):
     with self.assertRaisesRegex(report_lib.ReportError,

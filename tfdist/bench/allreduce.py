@@ -39,8 +39,8 @@ import threading
 import time
 from typing import Sequence
 
-__all__ = ["METHODS", "method_name", "sweep", "loopback_bytes_per_s",
-           "summarize"]
+__all__ = ["METHODS", "method_name", "sweep", "time_shapes",
+           "loopback_bytes_per_s", "summarize"]
 
 _MB = 1 << 20
 _LOOP_MB = 16  # Tensors below this are reduced several times per call.
@@ -193,6 +193,25 @@ def sweep(strategy, *, sizes_mb: Sequence[float], methods: Sequence[str],
       out[name][str(size)] = figures
     del sources
   return out
+
+
+def time_shapes(strategy, shapes: Sequence[Sequence[int]], *, method: str,
+                iterations: int, repeats: int = 10) -> float:
+  """Seconds one all-reduce of float32 tensors of ``shapes`` takes by
+  ``method`` (a model's gradients: its variables' shapes); the median of
+  ``iterations`` calls of ``repeats`` all-reduces, after one warm-up."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  with tf.init_scope():
+    sources = [tf.Variable(tf.ones(shape, tf.float32), trainable=False)
+               for shape in shapes]
+  fn = _reduce_fn(strategy, method, sources, repeats)
+  fn()
+  times = []
+  for _ in range(iterations):
+    start = time.perf_counter()
+    fn()
+    times.append((time.perf_counter() - start) / repeats)
+  return statistics.median(times)
 
 
 def _processor_ticks() -> tuple[int, int] | None:

@@ -16,6 +16,14 @@ sweep that follows runs unpinned.
 
 Variants ``alone`` train a model of the worker's own outside the strategy
 (the same model, batch and data, nothing exchanged): the machine's ceiling.
+With ``"alone_steps": k`` every worker then times k single steps of each
+``alone`` variant, one call each, and prints ``{"worker": i,
+"alone_steps_s": {model: [...]}}``: a synchronous step waits for the
+slowest worker, and these times say how much slower that is than the
+average step (`tfdist.bench.scaling`). Worker 0's line also holds
+``gradients_allreduce_s``: one all-reduce of each such model's gradients
+(float32 tensors of its variables' shapes) by the socket transport, timed
+alone on the same pinned cores.
 Variants ``raw`` are hand-written tf.distribute code (a `tf.function` loop of
 ``strategy.run`` with a plain Keras optimizer that reduces the loss every
 step, as TensorFlow's custom-loop tutorial does); the others run
@@ -58,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
                                   transport="collective")
   out: dict[str, Any] = {"workers": strategy.num_replicas_in_sync}
   out["train"] = train_variants(strategy, spec, cores)
+  if spec.get("alone_steps"):
+    steps_s = out["train"].pop("alone_steps_s")
+    print(json.dumps({"worker": _task_index(), "alone_steps_s": steps_s,
+                      "gradients_allreduce_s": _gradients_allreduce_s(
+                          strategy, list(steps_s))}), flush=True)
   if spec.get("allreduce_mb") and strategy.num_replicas_in_sync > 1:
     from tfdist.bench import allreduce  # pylint: disable=g-import-not-at-top
     # Every method moves bytes between the workers, whose threads (gRPC's,
@@ -71,6 +84,20 @@ def main(argv: list[str] | None = None) -> int:
   if tfdist.is_chief(strategy) or _task_index() == 0:
     print(json.dumps(out), flush=True)
   return 0
+
+
+def _gradients_allreduce_s(strategy, names: list[str]) -> dict[str, float]:
+  """Seconds of one all-reduce of each model's gradients, by the
+  recommended transport (`tfdist.bench.scaling.RECOMMENDED`)."""
+  from tfdist.bench import allreduce  # pylint: disable=g-import-not-at-top
+  from tfdist.bench import models  # pylint: disable=g-import-not-at-top
+  from tfdist.bench import scaling  # pylint: disable=g-import-not-at-top
+  method = allreduce.method_name(scaling.RECOMMENDED["transport"],
+                                 scaling.RECOMMENDED["compression"])
+  return {name: allreduce.time_shapes(
+      strategy,
+      [v.shape for v in models.MODELS[name].build().trainable_weights],
+      method=method, iterations=5) for name in names}
 
 
 def _set_affinity(cores: list[int]) -> None:
@@ -112,6 +139,10 @@ def train_variants(strategy, spec: dict, cores: list[int]) -> dict:
       loops[key](spec["steps"])
       times[key].append(time.perf_counter() - start)
   result: dict[str, dict] = {}
+  if spec.get("alone_steps"):
+    result["alone_steps_s"] = {
+        name: _one_by_one(loop, spec["alone_steps"])
+        for (name, variant), loop in loops.items() if variant == "alone"}
   for (name, variant), ts in times.items():
     per_step = statistics.median(ts) / spec["steps"]
     k = next(v.get("accumulation_steps", 1) for v in spec["models"][name]
@@ -122,6 +153,16 @@ def train_variants(strategy, spec: dict, cores: list[int]) -> dict:
         "windows_s": ts,
     }
   return result
+
+
+def _one_by_one(loop, steps: int) -> list[float]:
+  """Seconds of each of ``steps`` calls of ``loop(1)``."""
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    loop(1)
+    times.append(time.perf_counter() - start)
+  return times
 
 
 def _make_loop(strategy, name: str, variant: dict, spec: dict):

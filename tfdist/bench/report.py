@@ -96,7 +96,12 @@ def build(*, overhead: dict, scaling: dict, allreduce: dict, startup: dict,
       "allreduce_fraction_of_loopback": allreduce.get(
           "ceiling_fraction_of_loopback"),
   }
-  evidence = {"allreduce_fraction_of_loopback": _allreduce_evidence(allreduce)}
+  evidence = {"allreduce_fraction_of_loopback": _allreduce_evidence(allreduce),
+              **{f"scaling_efficiency.{m}": _straggler_evidence(
+                  s, scaling["scaling_sync_ceiling"][m],
+                  scaling["scaling_allreduce_ceiling"][m],
+                  report["scaling_efficiency"][m])
+                 for m, s in scaling.get("straggler", {}).items()}}
   report["targets"] = {}
   for t in TARGETS:
     value = _lookup(report, t.key)
@@ -135,6 +140,21 @@ def _allreduce_evidence(allreduce: dict) -> str | None:
     parts.append(f"the machine was {statistics.median(busy):.0%} busy "
                  f"during {method} (median over sizes)")
   return "; ".join(parts) or None
+
+
+def _straggler_evidence(straggler: dict, sync_ceiling: float,
+                        allreduce_ceiling: float, value: float) -> str:
+  """What waiting for the slowest worker and the all-reduce leave of the
+  ceiling (`tfdist.bench.scaling`)."""
+  mean = straggler["mean_step_s"]
+  return (f"a synchronous step waits for the slowest of "
+          f"{straggler['workers']} workers: their own steps, timed one by "
+          f"one, took {mean * 1e3:.1f} ms on average and each step's "
+          f"slowest {mean / straggler['sync_factor'] * 1e3:.1f} ms (ceiling "
+          f"{sync_ceiling:.3f}); one all-reduce of the gradients, timed "
+          f"alone, took {straggler['gradients_allreduce_s'] * 1e3:.2f} ms "
+          f"(ceiling {allreduce_ceiling:.3f}); tfdist reached "
+          f"{value / allreduce_ceiling:.2f} of that")
 
 
 def _why(target: Target, value: float, ceiling: float | None,

@@ -40,6 +40,9 @@ class BenchConfig:
     overhead_rounds: timing windows per case.
     train_steps: steps per timing window in the clusters.
     train_rounds: timing windows per variant in one cluster.
+    alone_steps: single ``alone`` steps each worker of a cluster of 2 or
+      more times one by one (how far the slowest worker's step is from the
+      average: `tfdist.bench.scaling`).
     cluster_repeats: times each cluster size is launched.
     allreduce_mb: float32 tensor sizes of the all-reduce sweep.
     allreduce_iterations: timed all-reduces per size.
@@ -59,6 +62,7 @@ class BenchConfig:
   overhead_rounds: int = 7
   train_steps: int = 40
   train_rounds: int = 2
+  alone_steps: int = 40
   cluster_repeats: int = 2
   allreduce_mb: tuple[float, ...] = (1, 4, 16, 64)
   allreduce_iterations: int = 5
@@ -72,7 +76,8 @@ class BenchConfig:
 
 
 QUICK = BenchConfig(quick=True, overhead_steps=20, overhead_rounds=1,
-                    train_steps=10, train_rounds=1, cluster_repeats=1,
+                    train_steps=10, train_rounds=1, alone_steps=10,
+                    cluster_repeats=1,
                     allreduce_mb=(1, 4), allreduce_iterations=2,
                     loopback_mb=64, doubling_ranks=(2, 3),
                     doubling_kb=(4, 256), doubling_windows=2,
@@ -97,7 +102,7 @@ def _scaling(c: BenchConfig, results: Results) -> dict:
   return scaling_lib.measure(
       quick=c.quick, batch=_BATCH, steps=c.train_steps, warmup_steps=3,
       rounds=c.train_rounds, cluster_repeats=c.cluster_repeats,
-      allreduce_mb=list(c.allreduce_mb),
+      alone_steps=c.alone_steps, allreduce_mb=list(c.allreduce_mb),
       allreduce_iterations=c.allreduce_iterations, timeout_s=c.timeout_s,
       pin_cores=c.pin_cores)
 

@@ -15,6 +15,17 @@ whose efficiency is the ceiling of any synchronous training's), and one
 option changed at a time. The largest cluster also
 runs the all-reduce sweep (`tfdist.bench.allreduce`).
 
+A synchronous step ends when the slowest worker's does: each worker of a
+cluster of two or more also times ``alone`` steps one by one, and the mean
+step over the mean of each step's slowest (the j-th steps of the N workers,
+taken together) is the ``sync_factor``; ``scaling_sync_ceiling`` is the
+``alone`` ceiling times it, what synchronous training can reach when its
+all-reduce costs nothing. One all-reduce of the model's gradients by the
+recommended transport, timed alone on the same cores
+(``gradients_allreduce_s``), added to each slowest step gives
+``scaling_allreduce_ceiling``: what is left to explain past it is
+neither waiting nor the all-reduce itself.
+
 Each worker's timed windows run pinned to its own core (worker i on core i
 modulo the cores; `tfdist.bench.cluster_worker`), raw and tfdist alike, so
 the 1-worker baseline has 1 core and the efficiency measures scaling, not
@@ -30,7 +41,8 @@ import statistics
 from tfdist.bench import allreduce
 from tfdist.bench import procs
 
-__all__ = ["RECOMMENDED", "worker_counts", "variants", "measure"]
+__all__ = ["RECOMMENDED", "worker_counts", "variants", "sync_factor",
+           "measure"]
 
 #: tfdist's communication options for the ``tfdist`` variant: the measured
 #: best that keeps the update of one step (no accumulation) and its float32
@@ -70,12 +82,38 @@ def variants(quick: bool) -> dict[str, list[dict]]:
   return {"mlp": mlp, "cnn": base}
 
 
+def sync_factor(steps_s: list[list[float]]) -> float:
+  """The mean step over the mean of each step's slowest, over workers.
+
+  Args:
+    steps_s: per worker, its steps' seconds, in order (the j-th of every
+      worker taken as one synchronous step).
+
+  Returns:
+    At most 1: the share of its own speed a worker keeps when every step
+    waits for the slowest.
+  """
+  k = min(len(s) for s in steps_s)
+  slowest = [max(s[j] for s in steps_s) for j in range(k)]
+  return (statistics.fmean(x for s in steps_s for x in s[:k])
+          / statistics.fmean(slowest))
+
+
+def _waited(straggler: dict) -> float:
+  """Seconds of a synchronous step with a free all-reduce: the slowest's."""
+  return straggler["mean_step_s"] / straggler["sync_factor"]
+
+
 def measure(*, quick: bool, batch: dict[str, int], steps: int,
             warmup_steps: int, rounds: int, cluster_repeats: int,
             allreduce_mb: list[float], allreduce_iterations: int,
-            timeout_s: float, pin_cores: bool = True,
+            timeout_s: float, pin_cores: bool = True, alone_steps: int = 0,
             counts: list[int] | None = None) -> dict:
-  """Runs every cluster ``cluster_repeats`` times; medians of samples/s."""
+  """Runs every cluster ``cluster_repeats`` times; medians of samples/s.
+
+  With ``alone_steps``, the largest cluster's workers time that many single
+  ``alone`` steps each (``straggler`` in the result).
+  """
   counts = counts or worker_counts()
   plan = variants(quick)
   samples: dict[str, dict[str, dict[int, list[float]]]] = {
@@ -83,6 +121,9 @@ def measure(*, quick: bool, batch: dict[str, int], steps: int,
       for m, vs in plan.items()}
   sweep = None
   cores: dict[str, dict[str, list[int]]] = {}
+  factors: dict[str, list[float]] = {m: [] for m in plan}
+  mean_steps: dict[str, list[float]] = {m: [] for m in plan}
+  allreduce_s: dict[str, list[float]] = {m: [] for m in plan}
   for repeat in range(cluster_repeats):
     for n in (counts if repeat % 2 == 0 else counts[::-1]):
       spec = {"intra_threads": 1, "inter_threads": 2, "batch": batch,
@@ -92,7 +133,8 @@ def measure(*, quick: bool, batch: dict[str, int], steps: int,
                   n == max(counts) and sweep is None) else [],
               "allreduce_methods": list(allreduce.METHODS),
               "allreduce_iterations": allreduce_iterations,
-              "pin_cores": pin_cores}
+              "pin_cores": pin_cores,
+              "alone_steps": alone_steps if n == max(counts) > 1 else 0}
       cmd = procs.python_module("tfdist.bench.cluster_worker", "--spec",
                                 json.dumps(spec))
       done = procs.run_all([cmd] * n,
@@ -108,6 +150,15 @@ def measure(*, quick: bool, batch: dict[str, int], steps: int,
           samples[model][variant][n].append(figures["samples_per_s"])
       if result.get("allreduce"):
         sweep = result["allreduce"]
+      by_worker = [l["alone_steps_s"] for l in lines if "alone_steps_s" in l]
+      for model in (by_worker[0] if len(by_worker) == n else {}):
+        per_worker = [w[model] for w in by_worker]
+        factors[model].append(sync_factor(per_worker))
+        mean_steps[model].append(
+            statistics.fmean(x for w in per_worker for x in w))
+        allreduce_s[model].extend(
+            l["gradients_allreduce_s"][model] for l in lines
+            if "gradients_allreduce_s" in l and l["worker"] == 0)
   med = {m: {v: {str(n): statistics.median(xs) for n, xs in by_n.items()}
              for v, by_n in vs.items()} for m, vs in samples.items()}
   top = str(max(counts))
@@ -116,12 +167,25 @@ def measure(*, quick: bool, batch: dict[str, int], steps: int,
     s = med[model][variant]
     return s[top] / (int(top) * s["1"])
 
+  straggler = {m: {"workers": int(top),
+                   "sync_factor": statistics.median(factors[m]),
+                   "mean_step_s": statistics.median(mean_steps[m]),
+                   "gradients_allreduce_s": statistics.median(allreduce_s[m])}
+               for m in plan if factors[m] and allreduce_s[m]}
+  ceiling = {m: efficiency(m, "alone") for m in med}
   return {
       "worker_counts": counts,
       "samples_per_s": med,
       "scaling_efficiency": {m: efficiency(m, "tfdist") for m in med},
       "raw_scaling_efficiency": {m: efficiency(m, "raw") for m in med},
-      "scaling_ceiling": {m: efficiency(m, "alone") for m in med},
+      "scaling_ceiling": ceiling,
+      "scaling_sync_ceiling": {m: ceiling[m] * f["sync_factor"]
+                               for m, f in straggler.items()},
+      "scaling_allreduce_ceiling": {
+          m: ceiling[m] * f["sync_factor"] * _waited(f) / (
+              _waited(f) + f["gradients_allreduce_s"])
+          for m, f in straggler.items()},
+      "straggler": straggler,
       "mlp_speedup_vs_raw": med["mlp"]["tfdist"]["2"] / med["mlp"]["raw"]["2"],
       "mlp_variants_vs_raw": {v: s["2"] / med["mlp"]["raw"]["2"]
                               for v, s in med["mlp"].items()},
