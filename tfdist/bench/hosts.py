@@ -454,10 +454,12 @@ def write_plot(reports: dict[str, dict], path: str) -> None:
               marker="o", label=plot.METHOD_LABELS.get(method, method))
     ax.axhline(1.0, color="black", linestyle=":", label="the link (TCP)")
     speed = report["raw"]["training"]["steps_per_s"]
+    ceiling = report["headline"].get("training_ceiling_vs_raw")
     ax.set(xlabel="tensor size (MiB, float32)",
            ylabel="bus bandwidth / link",
            title=(f"{label}: link {report['headline']['link_bytes_per_s'] / 1e6:.0f}"
-                  f" MB/s; {_MODEL} x{speed['tfdist'] / speed['raw']:.2f}"))
+                  f" MB/s; {_MODEL} x{speed['tfdist'] / speed['raw']:.2f}"
+                  + (f" (at most x{ceiling:.2f})" if ceiling else "")))
     ax.set_xscale("log", base=2)
     ax.legend(fontsize=7)
   fig.tight_layout()
