@@ -171,28 +171,39 @@ def sweep(strategy, *, sizes_mb: Sequence[float], methods: Sequence[str],
       sources = [tf.Variable(tf.ones([k], tf.float32), trainable=False)
                  for k in (elements // 2, elements - elements // 2)]
     for name in methods:
-      fn = _reduce_fn(strategy, name, sources, repeats)
-      fn()  # Warm-up: traces and sets up the collective.
-      times, cpu = [], []
-      ticks_before = _processor_ticks()
-      for _ in range(iterations):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        fn()
-        wall = time.perf_counter() - start
-        times.append(wall / repeats)
-        cpu.append((time.process_time() - start_cpu) / wall)
-      ticks_after = _processor_ticks()
-      t = statistics.median(times)
-      algbw = elements * 4 / t
-      figures = {"seconds": t, "algbw": algbw,
-                 "busbw": algbw * 2 * (n - 1) / n,
-                 "cpu_per_wall": statistics.median(cpu)}
-      if ticks_before and ticks_after and ticks_after[1] > ticks_before[1]:
-        figures["machine_busy"] = ((ticks_after[0] - ticks_before[0]) /
-                                   (ticks_after[1] - ticks_before[1]))
-      out[name][str(size)] = figures
+      figures = _timed(_reduce_fn(strategy, name, sources, repeats),
+                       iterations=iterations, repeats=repeats)
+      algbw = elements * 4 / figures["seconds"]
+      out[name][str(size)] = {**figures, "algbw": algbw,
+                              "busbw": algbw * 2 * (n - 1) / n}
     del sources
   return out
+
+
+def _timed(fn, *, iterations: int, repeats: int) -> dict:
+  """Times ``fn`` (``repeats`` all-reduces a call) after one warm-up call.
+
+  Returns:
+    ``seconds`` (the median call over ``repeats``), ``cpu_per_wall`` (its
+    median) and, where ``/proc/stat`` is read, ``machine_busy`` (over all
+    the timed calls): see `sweep`.
+  """
+  fn()  # Warm-up: traces and sets up the collective.
+  times, cpu = [], []
+  ticks_before = _processor_ticks()
+  for _ in range(iterations):
+    start, start_cpu = time.perf_counter(), time.process_time()
+    fn()
+    wall = time.perf_counter() - start
+    times.append(wall / repeats)
+    cpu.append((time.process_time() - start_cpu) / wall)
+  ticks_after = _processor_ticks()
+  figures = {"seconds": statistics.median(times),
+             "cpu_per_wall": statistics.median(cpu)}
+  if ticks_before and ticks_after and ticks_after[1] > ticks_before[1]:
+    figures["machine_busy"] = ((ticks_after[0] - ticks_before[0]) /
+                               (ticks_after[1] - ticks_before[1]))
+  return figures
 
 
 def time_shapes(strategy, shapes: Sequence[Sequence[int]], *, method: str,
@@ -204,14 +215,8 @@ def time_shapes(strategy, shapes: Sequence[Sequence[int]], *, method: str,
   with tf.init_scope():
     sources = [tf.Variable(tf.ones(shape, tf.float32), trainable=False)
                for shape in shapes]
-  fn = _reduce_fn(strategy, method, sources, repeats)
-  fn()
-  times = []
-  for _ in range(iterations):
-    start = time.perf_counter()
-    fn()
-    times.append((time.perf_counter() - start) / repeats)
-  return statistics.median(times)
+  return _timed(_reduce_fn(strategy, method, sources, repeats),
+                iterations=iterations, repeats=repeats)["seconds"]
 
 
 def _processor_ticks() -> tuple[int, int] | None:
