@@ -208,8 +208,7 @@ def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
 
   def smallest(method: str) -> float:
     """The method's lowest share of the link over sizes of 4 MiB and up."""
-    big = [f for size, f in fractions[method].items() if float(size) >= 4]
-    return min(big or fractions[method].values())
+    return fractions[method][_lowest_size(fractions, method)]
 
   speed = {v: figures["samples_per_s"] / (config["batch"] * len(hosts))
            for v, figures in train.items()}
