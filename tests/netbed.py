@@ -256,6 +256,12 @@ class NetBed:
     lines += [f"{self.address(h)} {h}" for h in known]
     return "\n".join(lines) + "\n"
 
+  def cut(self, host: str) -> None:
+    """Takes ``host``'s link to the switch down: its peers hear nothing
+    more from it, and it from them."""
+    _ip("-n", self.namespace("switch"), "link", "set",
+        f"v{self.hosts.index(host)}", "down")
+
   def command(self, host: str, argv: Sequence[str]) -> list[str]:
     """``argv`` as run inside ``host``."""
     if host not in self.hosts:

@@ -194,7 +194,7 @@ class RelaunchTest(absltest.TestCase):
     self.assertEqual(code, 0, tail(text, 5000))
     self.assertIn("task worker:1 was killed by signal 9", text)
     restart = lines.index(next(l for l in lines
-                               if "restarting the cluster (1 of 1)" in l))
+                               if "restart 1 of 1" in l))
     before = [int(l.split()[-1]) for l in lines[:restart]
               if l.startswith("[worker:0] step ")]
     after = [int(l.split()[-1]) for l in lines[restart:]

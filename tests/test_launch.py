@@ -119,7 +119,7 @@ class LaunchSpecTest(absltest.TestCase):
         launch.preflight(spec)
     self.assertEqual(spec.jobs, {"chief": 1, "worker": 2, "ps": 1})
     self.assertEqual(spec.num_tasks, 4)
-    self.assertEqual([c["task"]["type"] for c in spec.tf_configs()],
+    self.assertEqual(spec.kinds,
                      ["chief", "worker", "worker", "ps"])
 
   def test_frozen_and_keyword_only(self):
@@ -168,10 +168,14 @@ class LaunchTest(parameterized.TestCase):
         log = f.read()
     self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
     console = r.stdout + r.stderr
+    # Which of these TensorFlow prints depends on the processor (oneDNN's
+    # notice is missing on some): the log keeps what it printed.
+    self.assertIn("All log messages before absl::InitializeLog()", log)
     for line in ("oneDNN custom operations are on",
-                 "All log messages before absl::InitializeLog()"):
-      self.assertIn(line, log)
-      self.assertNotIn(line, console)
+                 "All log messages before absl::InitializeLog()",
+                 "Could not find cuda drivers"):
+      if line in log:
+        self.assertNotIn(line, console)
     self.assertIn("[worker:0] 4/4 ", console)
 
   def test_a_progress_bar_on_a_terminal_keeps_one_prefix_per_line(self):
@@ -291,15 +295,15 @@ class LaunchTest(parameterized.TestCase):
                 "evalfail")
     self.assertEqual(r.returncode, 4, r.stdout + r.stderr)
     self.assertIn("tfdist: task evaluator:0 exited with code 4", r.stdout)
-    self.assertNotIn("restarting", r.stdout)  # Training had finished.
+    self.assertNotIn("tfdist: restart", r.stdout)  # Training had finished.
 
   def test_restarts_back_off(self):
     r = _launch("--workers", "1", "--max-restarts", "2",
                 "--restart-delay-seconds", "0.5", "--", sys.executable, TASK,
                 "flaky", "2")
     self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-    self.assertIn("restarting the cluster (1 of 2) in 0.5 s", r.stdout)
-    self.assertIn("restarting the cluster (2 of 2) in 1 s", r.stdout)
+    self.assertIn("restart 1 of 2 after 0.5 s", r.stdout)
+    self.assertIn("restart 2 of 2 after 1 s", r.stdout)
     starts = [float(t) for t in
               re.findall(r"\[worker:0\] started at ([\d.]+)", r.stdout)]
     self.assertLen(starts, 3)
@@ -349,7 +353,7 @@ class LaunchTest(parameterized.TestCase):
     r = _launch("--workers", "2", "--max-restarts", "1", "--", sys.executable,
                 TASK, "flaky")
     self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
-    self.assertIn("restarting the cluster (1 of 1)", r.stdout)
+    self.assertIn("restart 1 of 1", r.stdout)
     self.assertIn("restart=1", r.stdout)
 
   def test_exhausted_restarts_fail(self):

@@ -23,7 +23,7 @@ import pytest
 
 from tfdist import _net
 from tfdist.errors import ConfigError
-from tfdist.launch import local
+from tfdist.launch import spec as spec_lib
 from tfdist.launch import rendezvous
 
 import cluster_utils
@@ -147,7 +147,7 @@ class TwoNodesTest(parameterized.TestCase):
     self.assertEqual(codes, [0, 0], outs)
     for out in outs:
       self.assertIn("restart=1", out)
-      self.assertIn("restarting with every node (1 of 1)", out)
+      self.assertIn("restart 1 of 1", out)
 
   def test_gpus_placed_per_task_and_none_for_ps(self):
     tasks, _ = _nodes([["--chief", "--ps", "1", "--workers", "1"],
@@ -257,16 +257,16 @@ class NodeSpecTest(parameterized.TestCase):
   )
   def test_bad_node_fields_are_named(self, kwargs, field):
     with self.assertRaises(ConfigError) as raised:
-      local.LaunchSpec(command=("python", "x.py"), **kwargs)
+      spec_lib.LaunchSpec(command=("python", "x.py"), **kwargs)
     self.assertEqual(raised.exception.field, field)
 
   def test_several_nodes_need_a_secret(self):
-    spec = local.LaunchSpec(command=(sys.executable, "-c", "pass"), nnodes=2,
+    spec = spec_lib.LaunchSpec(command=(sys.executable, "-c", "pass"), nnodes=2,
                             master_addr="127.0.0.1", master_port=1)
     saved = os.environ.pop(_net.JOB_SECRET_VARIABLE, None)
     try:
       with self.assertRaisesRegex(ConfigError, "TFDIST_JOB_SECRET"):
-        local.preflight(spec)
+        spec_lib.preflight(spec)
     finally:
       if saved is not None:
         os.environ[_net.JOB_SECRET_VARIABLE] = saved
@@ -278,13 +278,13 @@ class NodeSpecTest(parameterized.TestCase):
     with open(path, "w") as f:
       f.write("s3cret\n")
     os.chmod(path, 0o644)
-    spec = local.LaunchSpec(command=("x",), nnodes=2, master_addr="h",
+    spec = spec_lib.LaunchSpec(command=("x",), nnodes=2, master_addr="h",
                             master_port=1, secret_file=path,
                             env={_net.JOB_SECRET_VARIABLE: ""})
     with self.assertRaisesRegex(ConfigError, "chmod 600"):
-      local.job_secret(spec)
+      spec_lib.job_secret(spec)
     os.chmod(path, 0o600)
-    self.assertEqual(local.job_secret(spec), "s3cret")
+    self.assertEqual(spec_lib.job_secret(spec), "s3cret")
 
   @parameterized.named_parameters(
       ("even_split", "0,1,2,3", ["worker", "worker"], None,
@@ -297,16 +297,16 @@ class NodeSpecTest(parameterized.TestCase):
       ("no_gpu_leaves_it_alone", "", ["worker"], None, [None]),
   )
   def test_gpu_plan(self, visible, kinds, each, expected):
-    spec = local.LaunchSpec(command=("x",), gpus_per_task=each)
-    self.assertEqual(local.gpu_plan(
+    spec = spec_lib.LaunchSpec(command=("x",), gpus_per_task=each)
+    self.assertEqual(spec_lib.gpu_plan(
         spec, kinds, {"CUDA_VISIBLE_DEVICES": visible} if visible else {}),
         expected if visible or os.path.isdir("/proc/driver/nvidia/gpus")
         else [None] * len(kinds))
 
   def test_gpu_plan_refuses_more_than_there_are(self):
-    spec = local.LaunchSpec(command=("x",), gpus_per_task=3)
+    spec = spec_lib.LaunchSpec(command=("x",), gpus_per_task=3)
     with self.assertRaises(ConfigError) as raised:
-      local.gpu_plan(spec, ["worker", "worker"],
+      spec_lib.gpu_plan(spec, ["worker", "worker"],
                      {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     self.assertEqual(raised.exception.field, "gpus_per_task")
 

@@ -18,6 +18,8 @@ Prints its role and pid first. Modes:
               CUDA_VISIBLE_DEVICES, TF_CPP_MIN_LOG_LEVEL and the host name,
               then exit 0 (with ps tasks: the chief after 3 s, the others
               serve until stopped)
+  envwait S   as env, then sleep S seconds and exit 0 (a round a test can
+              interrupt)
   progress    worker 0 draws a progress bar of 5 states as Keras's does
               (backspaces, a carriage return, the state; a newline at the
               end), worker 1 prints 3 lines meanwhile; then exit 0
@@ -71,7 +73,7 @@ if mode == "keras_bar":
     for i in range(1, 5):
       bar.update(i, values=[("loss", 1.0 / i)])
   sys.exit(0)
-if mode == "env":
+if mode in ("env", "envwait"):
   import socket
   print("env=" + json.dumps({
       "cluster": json.loads(os.environ["TF_CONFIG"])["cluster"],
@@ -82,6 +84,8 @@ if mode == "env":
     if task["type"] != "chief":
       sleep_forever()  # A server, until the chief is done.
     time.sleep(3)  # The servers print meanwhile.
+  if mode == "envwait":
+    time.sleep(float(sys.argv[2]))
   sys.exit(0)
 if mode == "fail1":
   if role == "worker:1":

@@ -50,13 +50,21 @@ _FLAGS: _args.FlagTable = {
         type=float, metavar="S",
         help="time a task gets to exit after SIGTERM")),
     "nnodes": ("--nnodes", dict(
-        type=int, metavar="N",
+        metavar="N|MIN:MAX",
         help="nodes of the job: run tfdist launch on each, with the same "
              "--nnodes, --master-addr and --master-port; --workers, --ps, "
-             "--chief and --evaluator then count this node's tasks")),
+             "--chief and --evaluator then count this node's tasks. MIN:MAX "
+             "is an elastic job: it starts with MAX nodes, or MIN or more "
+             "after --last-call-seconds, and restarts at the new size when "
+             "a node is lost or joins (each restart counts against "
+             "--max-restarts)")),
+    "last_call_seconds": ("--last-call-seconds", dict(
+        type=float, metavar="S",
+        help="how long an elastic job waits for more nodes once MIN "
+             "joined")),
     "node_rank": ("--node-rank", dict(
-        type=int, metavar="R", help="this node's rank, 0 to N-1; node 0 runs "
-                                    "the rendezvous")),
+        type=int, metavar="R", help="this node's rank, 0 to MAX-1; node 0 runs "
+                                    "the rendezvous and holds the chief")),
     "master_addr": ("--master-addr", dict(
         metavar="HOST", help="node 0's address, as every node reaches it")),
     "master_port": ("--master-port", dict(

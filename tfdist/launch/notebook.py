@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping, Sequence, TextIO
 from tfdist.errors import ConfigError
 from tfdist.errors import WorkerFailedError
 from tfdist.launch import local
+from tfdist.launch import spec as spec_lib
 
 __all__ = ["notebook_launcher"]
 
@@ -90,7 +91,7 @@ def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (),
           hint=f"{type(e).__name__}: {e}") from None
     with open(os.path.join(payload, "call.pkl"), "wb") as f:
       f.write(blob)
-    spec = local.LaunchSpec(
+    spec = spec_lib.LaunchSpec(
         command=(sys.executable, "-m", WORKER_MODULE, payload),
         num_workers=num_workers, env=dict(env or {}),
         grace_seconds=grace_seconds)

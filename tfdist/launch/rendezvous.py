@@ -17,22 +17,31 @@ address only); every launcher, node 0's included, joins it as a `Member`:
 2. **Join.** Each member sends its node rank, the address the others should
    dial it at, and its tasks (chief, workers, ps, evaluator) with ports it
    picked free on its own host.
-3. **Cluster.** Once all N joined (within ``timeout``), the master checks the
-   whole cluster (one chief when there is a ps, at most one evaluator, a
-   worker somewhere) and sends each node the cluster and its tasks' places;
-   a layout that cannot work is sent to every node as an error instead.
+3. **Cluster.** Once enough nodes joined (`Rounds`: all N, or for
+   ``--nnodes MIN:MAX`` MAX, or MIN or more after the last call; within
+   ``timeout``), the master checks the whole cluster (one chief when there
+   is a ps, at most one evaluator, a worker somewhere) and sends each node
+   the cluster and its tasks' places, dense in node-rank order, so node 0
+   (which holds the rendezvous) holds the chief; a layout that cannot work
+   is sent to every node as an error instead.
 4. **Watch.** Both sides send a heartbeat every `HEARTBEAT_SECONDS`; silence
    for `SILENCE_SECONDS`, or a closed connection, means the peer is lost. A
    member reports a failed task (``failed``) or that its training tasks
-   finished (``done``); the master answers every node with ``stop`` (the
-   exit code, and whether all nodes restart together) or, once every node
-   with training tasks is done, ``finish``.
+   finished (``done``). A failed task, a lost node or (below MAX) a new one
+   ends the round: the master sends every node ``stop``, with the next
+   round's number while restarts remain and MIN or more nodes are left
+   (they stop their tasks and join again), or for good; once every node
+   with training tasks is done, ``finish``. A node that comes back under
+   its rank replaces its old, silent connection.
 
 So from a failure anywhere to every node stopping its tasks takes at most
-`SILENCE_SECONDS` plus one heartbeat (a launcher that hangs) and a few
-milliseconds otherwise (a task that fails, a launcher that dies: its
-connection closes at once); stopping then takes the launcher's
-``grace_seconds``.
+`SILENCE_SECONDS` plus one heartbeat (a launcher that hangs or a cut link)
+and a few milliseconds otherwise (a task that fails, a launcher that dies:
+its connection closes at once); stopping then takes the launcher's
+``grace_seconds``. Node 0's launcher is the one node a job cannot lose.
+
+`Solo` is the rendezvous of one node, with no network: the launcher runs
+one supervision loop whatever the number of nodes.
 
 The secret (`tfdist._net.JOB_SECRET_VARIABLE` in the environment, or a file)
 is never sent, and never appears on a command line. Every wait is bounded,
@@ -41,8 +50,10 @@ every message is capped at `MAX_MESSAGE_BYTES`. No TensorFlow here.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import json
+import math
 import queue
 import socket
 import struct
@@ -52,8 +63,10 @@ import time
 from typing import Any, Mapping, Sequence
 
 from tfdist import _secret
+from tfdist.errors import TfdistError
 
-__all__ = ["Master", "Member", "RendezvousError", "layout_problem",
+__all__ = ["Master", "Member", "Rounds", "Solo", "RendezvousError",
+           "layout_problem",
            "HEARTBEAT_SECONDS", "SILENCE_SECONDS", "MAX_MESSAGE_BYTES"]
 
 #: How often each side says it is alive.
@@ -70,12 +83,13 @@ _CONTEXT = "tfdist-rendezvous"
 _JOB_ORDER = ("chief", "worker", "ps")
 
 
-class RendezvousError(Exception):
+class RendezvousError(TfdistError):
   """The rendezvous failed; ``str()`` is one line for the user.
 
   Attributes:
     code: the exit code the launcher should end with (2: a layout or input
-      that cannot work; 1: a node lost or not joining).
+      that cannot work; 1: a node lost or not joining; 0: the job finished
+      without this node).
   """
 
   def __init__(self, message: str, *, code: int = 1):
@@ -221,15 +235,227 @@ def _cluster(joins: Mapping[int, Mapping[str, Any]]) -> tuple[dict, dict]:
   return {job: tasks for job, tasks in cluster.items() if tasks}, places
 
 
+Outbox = list[tuple[int, dict]]
+
+
+class Rounds:
+  """Who trains, round by round: the rendezvous's decisions, without I/O.
+
+  A round gathers joins, then runs. The first round starts when ``max_nodes``
+  joined, or ``min_nodes`` or more once ``last_call`` seconds passed since
+  ``min_nodes`` had joined; a later round starts once every node still
+  connected joined again. A running round ends in ``finish`` (every node with
+  training tasks is done), or in ``stop``: with ``restart`` (the next round's
+  number) while restarts remain and ``min_nodes`` or more nodes are left,
+  else for good. A task that fails, a node that is lost, and a node that
+  joins a running round below ``max_nodes`` each start a restart, and each
+  restart counts against ``max_restarts``. Every method returns the messages
+  to send, as (node rank, message) pairs.
+  """
+
+  def __init__(self, *, min_nodes: int, max_nodes: int, max_restarts: int,
+               timeout: float, last_call: float = 0.0, clock=time.monotonic):
+    self._min, self._max = min_nodes, max_nodes
+    self._max_restarts = max_restarts
+    self._timeout, self._last_call_seconds = timeout, last_call
+    self._clock = clock
+    self.attempt = 0
+    self.over = False
+    self._members: set[int] = set()  # Connected and proven.
+    self._joins: dict[int, dict] = {}  # The round gathering, or running.
+    self._running = False
+    self._done: set[int] = set()
+    self._deadline = clock() + timeout
+    self._last_call: float | None = None
+    self._restarted: dict[str, Any] = {}  # Why, and the size before.
+
+  def join(self, rank: int, message: dict, *, first: bool) -> Outbox:
+    """Node ``rank`` joins: ``first`` on a new connection (a newcomer
+    joins whatever round is on), else for the round it names."""
+    if self.over:
+      return []
+    if first:
+      self._members.add(rank)
+    elif message.get("attempt") != self.attempt:
+      return []  # A join from before a restart.
+    if not self._running:
+      self._joins[rank] = message
+      return self._maybe_start()
+    if not first:
+      return []
+    if len(self._joins) < self._max and self._restarts_left:
+      out = self._stop(f"node {rank} joined", code=0)
+      self._joins[rank] = message
+      return out
+    return [(rank, {"kind": "wait", "why": (
+        f"node {rank} waits: the job runs on {len(self._joins)} nodes and "
+        f"{'is full' if len(self._joins) >= self._max else 'has no restart left'}"
+        "; it joins at the next restart")})]
+
+  def failed(self, rank: int, message: dict) -> Outbox:
+    """A task of node ``rank`` failed in the round ``message`` names."""
+    if (self.over or not self._running or rank not in self._joins
+        or message.get("attempt") != self.attempt):
+      return []  # Already stopping, or a failure from before a restart.
+    where = f" on node {rank}" if self._max > 1 else ""
+    return self._stop(f"task {message.get('role')}{where} failed",
+                      code=message.get("code", 1))
+
+  def done(self, rank: int) -> Outbox:
+    """Node ``rank``'s training tasks finished."""
+    if self.over or not self._running or rank not in self._joins:
+      return []
+    self._done.add(rank)
+    if not set(_trainer_nodes(self._joins)) <= self._done:
+      return []
+    self.over = True
+    return [(r, {"kind": "finish"}) for r in sorted(self._members)]
+
+  def lost(self, rank: int, why: str) -> Outbox:
+    """Node ``rank`` is gone (its connection closed, or it went silent)."""
+    self._members.discard(rank)
+    if self.over:
+      return []
+    if not self._running:
+      self._joins.pop(rank, None)
+      return self._maybe_start()
+    if rank not in self._joins:
+      return []  # A node that waited for a restart.
+    return self._stop(why, code=1)
+
+  def tick(self) -> Outbox:
+    """What the clock decides: the last call, or a round not joined in
+    time."""
+    if self.over or self._running:
+      return []
+    if self._last_call is not None and self._clock() >= self._last_call:
+      return self._maybe_start()
+    if self._clock() <= self._deadline:
+      return []
+    self.over = True
+    if self._min == self._max:
+      why = (f"nodes {sorted(set(range(self._max)) - set(self._joins))} did "
+             f"not join the rendezvous within {self._timeout:g} s")
+    else:
+      why = (f"{len(self._joins)} nodes joined the rendezvous within "
+             f"{self._timeout:g} s; the job needs {self._min} or more")
+    return [(r, {"kind": "error", "code": 1, "why": why})
+            for r in sorted(self._members)]
+
+  @property
+  def _restarts_left(self) -> bool:
+    return self.attempt < self._max_restarts
+
+  def _maybe_start(self) -> Outbox:
+    joined = len(self._joins)
+    if joined < self._min:
+      self._last_call = None
+      return []
+    if self.attempt == 0 and joined < self._max:
+      if self._last_call is None:
+        self._last_call = self._clock() + self._last_call_seconds
+      if self._clock() < self._last_call:
+        return []
+    if self.attempt and joined < self._max and not (
+        set(self._joins) >= self._members):
+      return []  # Wait for every node still connected.
+    problem = layout_problem(self._joins)
+    if problem:
+      self.over = True
+      return [(r, {"kind": "error", "code": 2, "why": problem})
+              for r in sorted(self._members)]
+    cluster, places = _cluster(self._joins)
+    self._running, self._done = True, set()
+    return [(r, {"kind": "cluster", "attempt": self.attempt,
+                 "cluster": cluster, "places": places[r],
+                 "nodes": sorted(self._joins), **self._restarted})
+            for r in sorted(self._joins)]
+
+  def _stop(self, why: str, *, code: int) -> Outbox:
+    """Ends the running round: a restart, or the end of the job."""
+    nodes = len(self._members)
+    if self._restarts_left and nodes >= self._min:
+      message = {"kind": "stop", "code": code, "why": why,
+                 "restart": self.attempt + 1}
+      self._restarted = {"why": why, "previous": len(self._joins)}
+      self.attempt += 1
+      self._running, self._joins, self._last_call = False, {}, None
+      self._deadline = self._clock() + self._timeout
+    else:
+      self.over = True
+      if nodes < self._min:
+        why += f"; {nodes} nodes left, the job needs {self._min}"
+      message = {"kind": "stop", "code": code or 1, "why": why,
+                 "restart": None}
+    return [(r, message) for r in sorted(self._members)]
+
+
+def _trainer_nodes(joins: Mapping[int, Mapping[str, Any]]) -> list[int]:
+  """Nodes running training tasks: chief and, without ps, workers."""
+  servers = any(j["jobs"].get("ps") for j in joins.values())
+  return sorted(r for r, j in joins.items()
+                if j["jobs"].get("chief")
+                or (j["jobs"].get("worker") and not servers))
+
+
+class Solo:
+  """The rendezvous of one node: `Rounds` in this process, no network.
+
+  It has `Member`'s interface, so one supervision loop serves one node and
+  many.
+  """
+
+  def __init__(self, *, max_restarts: int):
+    self._rounds = Rounds(min_nodes=1, max_nodes=1, max_restarts=max_restarts,
+                          timeout=math.inf)
+    self._inbox: collections.deque = collections.deque()
+    self._joined = False
+
+  def join(self, *, attempt: int, host: str, jobs: Mapping[str, int],
+           evaluator: bool, ports: Sequence[int]) -> dict:
+    self.send({"kind": "join", "attempt": attempt, "host": host,
+               "jobs": dict(jobs), "evaluator": evaluator,
+               "ports": list(ports)})
+    message = self.poll()
+    if message is None or message["kind"] != "cluster":
+      raise RendezvousError((message or {}).get("why", "no cluster"),
+                            code=(message or {}).get("code", 1))
+    return message
+
+  def send(self, message: Mapping[str, Any]) -> None:
+    kind = message["kind"]
+    if kind == "join":
+      out = self._rounds.join(0, dict(message), first=not self._joined)
+      self._joined = True
+    elif kind == "failed":
+      out = self._rounds.failed(0, dict(message))
+    elif kind == "done":
+      out = self._rounds.done(0)
+    else:
+      out = []
+    self._inbox.extend(m for _, m in out)
+
+  def poll(self, timeout: float = 0.0) -> dict | None:
+    if self._inbox:
+      return self._inbox.popleft()
+    time.sleep(timeout)
+    return None
+
+  def close(self) -> None:
+    pass
+
+
 class Master:
   """Node 0's rendezvous server (a daemon thread per connection).
 
   Args:
     address: the ``(host, port)`` it listens on.
-    nnodes: the nodes that must join.
+    nnodes: the most nodes of the job.
+    min_nodes: the fewest nodes it runs on (``nnodes`` by default).
     secret: the job's secret.
-    timeout: seconds for every node to join, each attempt.
-    max_restarts: how many times all nodes restart together after a failure.
+    timeout: seconds for enough nodes to join, each round.
+    max_restarts: how many times all nodes restart together.
+    last_call: seconds to wait for more nodes once ``min_nodes`` joined.
     log: where it says that a stranger was turned away (once per address).
 
   Raises:
@@ -237,20 +463,22 @@ class Master:
   """
 
   def __init__(self, *, address: tuple[str, int], nnodes: int, secret: bytes,
-               timeout: float, max_restarts: int = 0, log=None):
+               timeout: float, max_restarts: int = 0,
+               min_nodes: int | None = None, last_call: float = 0.0,
+               log=None):
+    self._rounds = Rounds(min_nodes=min_nodes or nnodes, max_nodes=nnodes,
+                          max_restarts=max_restarts, timeout=timeout,
+                          last_call=last_call)
     self._nnodes = nnodes
     self._secret = secret
-    self._timeout = timeout
-    self._max_restarts = max_restarts
     self._log = log or sys.stderr
     self._lock = threading.Lock()
     self._members: dict[int, _Channel] = {}
-    self._joins: dict[int, dict] = {}
-    self._done: set[int] = set()
-    self._attempt = 0
-    self._over = False
+    self._heard: dict[int, float] = {}  # Rank -> when it last said anything.
+    self._outbox: queue.Queue = queue.Queue()
     self._strangers: set[str] = set()
     self._threads: list[threading.Thread] = []
+    self._beaten = 0.0  # When the last heartbeat went out.
     family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
     self._listener = socket.socket(family, socket.SOCK_STREAM)
     self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -260,8 +488,7 @@ class Master:
     except OSError:
       self._listener.close()
       raise
-    self._deadline = time.monotonic() + timeout
-    for target in (self._accept_loop, self._heartbeats):
+    for target in (self._accept_loop, self._heartbeats, self._sender):
       threading.Thread(target=target, daemon=True,
                        name="tfdist-rendezvous").start()
 
@@ -270,19 +497,22 @@ class Master:
     sent to it: each gets the end of its stream, then up to
     `_CLOSE_SECONDS` to say goodbye."""
     with self._lock:
-      self._over = True
+      self._rounds.over = True
       members = list(self._members.values())
       threads = list(self._threads)
     try:
       self._listener.close()
     except OSError:
       pass
+    self._outbox.put(None)
+    deadline = time.monotonic() + _CLOSE_SECONDS
+    while not self._outbox.empty() and time.monotonic() < deadline:
+      time.sleep(0.01)  # What was decided reaches the members first.
     for channel in members:
       try:
         channel.sock.shutdown(socket.SHUT_WR)
       except OSError:
         pass
-    deadline = time.monotonic() + _CLOSE_SECONDS
     for thread in threads:
       thread.join(max(0.0, deadline - time.monotonic()))
     for channel in members:
@@ -318,116 +548,81 @@ class Master:
       return
     rank = join.get("rank")
     with self._lock:
+      old = self._members.get(rank)
       problem = (f"node rank {rank!r} is not from 0 to {self._nnodes - 1}"
                  if not isinstance(rank, int) or not 0 <= rank < self._nnodes
-                 else f"node rank {rank} joined twice"
-                 if rank in self._members else None)
+                 else f"node rank {rank} joined twice" if old is not None
+                 and time.monotonic() - self._heard[rank] < SILENCE_SECONDS / 2
+                 else None)
       if problem is None:
+        # A node that came back replaces its silent old connection.
         self._members[rank] = channel
+        self._heard[rank] = time.monotonic()
+        if old is not None:
+          self._post(self._rounds.lost(rank, f"node {rank} came back"))
+        self._post(self._rounds.join(rank, join, first=True))
     if problem:
       self._send(channel, {"kind": "error", "code": 2, "why": problem})
       channel.close()
       return
-    self._on_join(rank, join)
+    if old is not None:
+      old.close()
     while True:
       try:
         message = channel.receive(SILENCE_SECONDS)
       except socket.timeout:
-        self._lost(rank, f"node {rank} sent nothing for {SILENCE_SECONDS:g} s")
+        self._lost(rank, channel,
+                   f"node {rank} sent nothing for {SILENCE_SECONDS:g} s")
         return
       except (OSError, ValueError) as e:
-        self._lost(rank, f"node {rank}'s launcher went away ({e})")
+        self._lost(rank, channel, f"node {rank}'s launcher went away ({e})")
         return
       kind = message["kind"]
-      if kind == "join":
-        self._on_join(rank, message)
-      elif kind == "failed":
-        self._on_failed(rank, message)
-      elif kind == "done":
-        self._on_done(rank)
-      elif kind == "bye":
-        channel.close()
+      with self._lock:
+        if self._members.get(rank) is not channel:
+          return  # Replaced by the node's new connection.
+        self._heard[rank] = time.monotonic()
+        if kind == "join":
+          self._post(self._rounds.join(rank, message, first=False))
+        elif kind == "failed":
+          self._post(self._rounds.failed(rank, message))
+        elif kind == "done":
+          self._post(self._rounds.done(rank))
+      if kind == "bye":
+        self._lost(rank, channel, f"node {rank} left")
         return
 
-  def _on_join(self, rank: int, join: dict) -> None:
+  def _lost(self, rank: int, channel: _Channel, why: str) -> None:
     with self._lock:
-      if join.get("attempt") != self._attempt:
-        return  # A join from before a restart.
-      self._joins[rank] = join
-      if len(self._joins) < self._nnodes:
+      if self._members.get(rank) is not channel:
         return
-      joins, members = dict(self._joins), dict(self._members)
-    problem = layout_problem(joins)
-    if problem:
-      self._broadcast({"kind": "error", "code": 2, "why": problem},
-                      members)
-      return
-    cluster, places = _cluster(joins)
-    for r, channel in members.items():
-      self._send(channel, {"kind": "cluster", "attempt": self._attempt,
-                           "cluster": cluster, "places": places[r],
-                           "trainers": _trainer_nodes(joins)})
+      del self._members[rank]
+      self._post(self._rounds.lost(rank, why))
+    channel.close()
 
-  def _on_failed(self, rank: int, message: dict) -> None:
-    with self._lock:
-      if self._over or message.get("attempt") != self._attempt:
-        return  # Already stopping, or a failure from before a restart.
-      restart = self._attempt < self._max_restarts
-      if restart:
-        self._attempt += 1
-        self._joins, self._done = {}, set()
-        self._deadline = time.monotonic() + self._timeout
-      else:
-        self._over = True
-      members = dict(self._members)
-    self._broadcast({
-        "kind": "stop", "code": message.get("code", 1),
-        "why": f"task {message.get('role')} on node {rank} failed",
-        "restart": self._attempt if restart else None}, members)
+  def _post(self, out: Outbox) -> None:
+    """Queues messages in the order decided (called under the lock)."""
+    for rank, message in out:
+      channel = self._members.get(rank)
+      if channel is not None:
+        self._outbox.put((channel, message))
 
-  def _on_done(self, rank: int) -> None:
-    with self._lock:
-      self._done.add(rank)
-      trainers = _trainer_nodes(self._joins)
-      finished = set(trainers) <= self._done and not self._over
-      if finished:
-        self._over = True
-      members = dict(self._members)
-    if finished:
-      self._broadcast({"kind": "finish"}, members)
-
-  def _lost(self, rank: int, why: str) -> None:
-    with self._lock:
-      self._members.pop(rank, None)
-      if self._over:
+  def _sender(self) -> None:
+    while True:
+      item = self._outbox.get()
+      if item is None:
         return
-      self._over = True
-      members = dict(self._members)
-    self._broadcast({"kind": "stop", "code": 1, "why": why, "restart": None},
-                    members)
+      self._send(*item)
 
   def _heartbeats(self) -> None:
-    while True:
-      time.sleep(HEARTBEAT_SECONDS)
-      if self._listener.fileno() < 0:
-        return  # Closed.
+    while self._listener.fileno() >= 0:
+      time.sleep(min(HEARTBEAT_SECONDS, 0.25))
       with self._lock:
-        members = dict(self._members)
-        waiting = (len(self._joins) < self._nnodes and not self._over
-                   and time.monotonic() > self._deadline)
-        if waiting:
-          self._over = True
-          missing = sorted(set(range(self._nnodes)) - set(self._joins))
-      if waiting:
-        self._broadcast({"kind": "error", "code": 1, "why": (
-            f"nodes {missing} did not join the rendezvous within "
-            f"{self._timeout:g} s")}, members)
-      self._broadcast({"kind": "beat"}, members)
-
-  def _broadcast(self, message: dict, members: Mapping[int, _Channel]) -> None:
-    # Node 0 (this process) last: it may end as soon as it reads its copy.
-    for _, channel in sorted(members.items(), reverse=True):
-      self._send(channel, message)
+        self._post(self._rounds.tick())
+        now = time.monotonic()
+        if now - self._beaten >= HEARTBEAT_SECONDS:
+          self._beaten = now
+          self._post([(r, {"kind": "beat"}) for r in self._members])
 
   @staticmethod
   def _send(channel: _Channel, message: dict) -> None:
@@ -437,14 +632,6 @@ class Master:
       pass  # Its reader notices the loss.
 
 
-def _trainer_nodes(joins: Mapping[int, Mapping[str, Any]]) -> list[int]:
-  """Nodes running training tasks: chief and, without ps, workers."""
-  servers = any(j["jobs"].get("ps") for j in joins.values())
-  return sorted(r for r, j in joins.items()
-                if j["jobs"].get("chief")
-                or (j["jobs"].get("worker") and not servers))
-
-
 class Member:
   """A node launcher's side of the rendezvous.
 
@@ -452,17 +639,24 @@ class Member:
     master: the ``(host, port)`` of node 0's `Master`.
     rank: this node's rank.
     secret: the job's secret.
-    timeout: seconds to reach the master and for all nodes to join.
+    timeout: seconds to reach the master and for enough nodes to join.
+    stop: set by a signal: every wait here then ends, raising
+      `RendezvousError`.
+    say: where a line for the user goes (a node told to wait).
   """
 
   def __init__(self, *, master: tuple[str, int], rank: int, secret: bytes,
-               timeout: float):
+               timeout: float, stop: threading.Event | None = None,
+               say=None):
     self._rank = rank
     self._timeout = timeout
+    self._stop = stop or threading.Event()
+    self._say = say or (lambda text: print(f"tfdist: {text}", flush=True))
     self._inbox: queue.Queue = queue.Queue()
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
     while True:
+      self._check_stop()
       try:
         sock = socket.create_connection(master, timeout=_HANDSHAKE_SECONDS)
         break
@@ -474,7 +668,7 @@ class Member:
               f"within {timeout:g} s ({last_error}); is node 0's launcher "
               "running, and --master-addr/--master-port the same on every "
               "node?") from None
-        time.sleep(0.5)
+        self._stop.wait(0.5)
     try:
       self._channel = _dial_proof(sock, secret)
     except OSError as e:
@@ -493,27 +687,45 @@ class Member:
 
   def join(self, *, attempt: int, host: str, jobs: Mapping[str, int],
            evaluator: bool, ports: Sequence[int]) -> dict:
-    """Sends this node's tasks; returns the ``cluster`` message.
+    """Sends this node's tasks; returns the ``cluster`` message of round
+    ``attempt`` or a later one (a newcomer joins the round that is on).
 
     Raises:
       RendezvousError: the layout is refused, the master stops the job or
-        goes away, or not every node joined in time.
+        goes away, not enough nodes joined in time, or `stop` was set.
     """
-    self.send({"kind": "join", "rank": self._rank, "attempt": attempt,
-               "host": host, "jobs": dict(jobs), "evaluator": evaluator,
-               "ports": list(ports)})
+    join = {"kind": "join", "rank": self._rank, "attempt": attempt,
+            "host": host, "jobs": dict(jobs), "evaluator": evaluator,
+            "ports": list(ports)}
+    self.send(join)
     deadline = time.monotonic() + self._timeout + SILENCE_SECONDS
     while time.monotonic() < deadline:
-      message = self.poll(timeout=0.5)
+      self._check_stop()
+      message = self.poll(timeout=0.2)
       if message is None:
         continue
-      if message["kind"] == "cluster" and message.get("attempt") == attempt:
+      kind = message["kind"]
+      if kind == "cluster" and message.get("attempt", -1) >= attempt:
         return message
-      if message["kind"] in ("error", "stop", "lost"):
+      if kind == "wait":
+        self._say(message["why"])
+        deadline = math.inf  # Until the job ends or restarts.
+      elif kind == "stop" and message.get("restart") is not None:
+        attempt = join["attempt"] = message["restart"]  # A waiting node.
+        self.send(join)
+        deadline = time.monotonic() + self._timeout + SILENCE_SECONDS
+      elif kind == "finish":
+        raise RendezvousError("the job finished without this node", code=0)
+      elif kind in ("error", "stop", "lost"):
         raise RendezvousError(message.get("why", "stopped"),
                               code=message.get("code", 1))
     raise RendezvousError(f"no cluster from the rendezvous within "
                           f"{self._timeout:g} s")
+
+  def _check_stop(self) -> None:
+    if self._stop.is_set():
+      raise RendezvousError("stopped by a signal while waiting in the "
+                            "rendezvous")
 
   def send(self, message: Mapping[str, Any]) -> None:
     try:

@@ -1,0 +1,263 @@
+"""Elastic launch (``tfdist launch --nnodes MIN:MAX``): rounds of membership,
+restarts at a new size, and training that survives a lost node.
+
+`RoundsTest` drives the rendezvous's decisions alone, on a clock of its own;
+`LoopbackTest` runs real launchers on loopback with a program without
+TensorFlow; `BedTest` runs Keras ``fit`` with a backup on three hosts of the
+network-namespace bed, loses one of them, and compares the final weights
+with an uninterrupted run.
+"""
+
+import json
+import os
+import re
+import sys
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import pytest
+
+from tfdist import _net
+from tfdist.launch import rendezvous
+
+import cluster_utils
+import fault_runs
+import netbed
+
+SECRET = "elastic-test-secret"
+LAUNCH = [sys.executable, "-m", "tfdist", "launch"]
+TASK = os.path.join(cluster_utils.SCRIPTS, "launch_task.py")
+
+
+class _Clock:
+
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self) -> float:
+    return self.now
+
+
+def _join(attempt=0, workers=1):
+  return {"kind": "join", "attempt": attempt, "host": "h",
+          "jobs": {"worker": workers}, "evaluator": False, "ports": [1]}
+
+
+def _kinds(out):
+  """Rank -> the kinds of the messages it gets, in order."""
+  seen = {}
+  for rank, message in out:
+    seen.setdefault(rank, []).append(message["kind"])
+  return seen
+
+
+class RoundsTest(parameterized.TestCase):
+
+  def _rounds(self, low, high, restarts=2, last_call=5.0):
+    self.clock = _Clock()
+    return rendezvous.Rounds(min_nodes=low, max_nodes=high,
+                             max_restarts=restarts, timeout=60,
+                             last_call=last_call, clock=self.clock)
+
+  def _start(self, rounds, ranks):
+    out = []
+    for r in ranks:
+      out += rounds.join(r, _join(), first=True)
+    return out
+
+  def test_max_nodes_start_at_once_with_dense_places(self):
+    rounds = self._rounds(2, 3)
+    out = self._start(rounds, [2, 0, 1])
+    self.assertEqual(_kinds(out), {0: ["cluster"], 1: ["cluster"],
+                                   2: ["cluster"]})
+    places = {r: m["places"] for r, m in out}
+    self.assertEqual(places, {0: [("worker", 0)], 1: [("worker", 1)],
+                              2: [("worker", 2)]})
+
+  def test_min_nodes_start_after_the_last_call(self):
+    rounds = self._rounds(2, 3, last_call=5.0)
+    self.assertEqual(self._start(rounds, [0, 1]), [])
+    self.clock.now = 4.9
+    self.assertEqual(rounds.tick(), [])
+    self.clock.now = 5.0
+    out = rounds.tick()
+    self.assertEqual(_kinds(out), {0: ["cluster"], 1: ["cluster"]})
+    self.assertEqual(out[0][1]["nodes"], [0, 1])
+
+  def test_too_few_nodes_in_time_is_an_error_for_all(self):
+    rounds = self._rounds(2, 3)
+    self._start(rounds, [0])
+    self.clock.now = 61
+    out = rounds.tick()
+    self.assertEqual(_kinds(out), {0: ["error"]})
+    self.assertIn("needs 2 or more", out[0][1]["why"])
+    self.assertTrue(rounds.over)
+
+  @parameterized.named_parameters(
+      # (event, restarts left, the next round, the nodes that join it)
+      ("lost_node_restarts_with_the_rest", "lost", 2, 1, [0, 1]),
+      ("failed_task_restarts_everyone", "failed", 2, 1, [0, 1, 2]),
+      ("no_restart_left_stops_for_good", "lost", 0, None, []),
+  )
+  def test_a_running_round_ends_in_stop(self, event, restarts, restart,
+                                        survivors):
+    rounds = self._rounds(2, 3, restarts=restarts)
+    self._start(rounds, [0, 1, 2])
+    if event == "lost":
+      out = rounds.lost(2, "node 2 went away")
+    else:
+      out = rounds.failed(2, {"attempt": 0, "role": "worker:2", "code": 3})
+    self.assertEqual({m["kind"] for _, m in out}, {"stop"})
+    self.assertEqual({m["restart"] for _, m in out}, {restart})
+    self.assertEqual(rounds.over, restart is None)
+    for r in survivors:
+      out = rounds.join(r, _join(attempt=1), first=False)
+    if survivors:
+      cluster = dict(out)[0]
+      self.assertEqual(cluster["nodes"], survivors)
+      self.assertEqual(cluster["previous"], 3)
+      self.assertEqual(cluster["why"], "node 2 went away" if event == "lost"
+                       else "task worker:2 on node 2 failed")
+
+  def test_below_min_the_job_stops(self):
+    rounds = self._rounds(2, 3)
+    self._start(rounds, [0, 1])
+    self.clock.now = 5
+    rounds.tick()
+    out = rounds.lost(1, "node 1 went away")
+    self.assertEqual([m["restart"] for _, m in out], [None])
+    self.assertIn("the job needs 2", out[0][1]["why"])
+
+  def test_the_next_round_waits_for_every_survivor_then_starts(self):
+    rounds = self._rounds(2, 3)
+    self._start(rounds, [0, 1, 2])
+    rounds.lost(2, "gone")
+    self.assertEqual(rounds.join(0, _join(attempt=1), first=False), [])
+    self.assertEqual(rounds.join(1, _join(attempt=0), first=False), [],
+                     "a join from before the restart counts for nothing")
+    out = rounds.join(1, _join(attempt=1), first=False)
+    self.assertEqual(_kinds(out), {0: ["cluster"], 1: ["cluster"]})
+    self.assertEqual(out[0][1]["attempt"], 1)
+
+  @parameterized.named_parameters(
+      ("below_max_restarts_to_admit_it", 2, 2, "stop"),
+      ("no_restart_left_waits", 2, 0, "wait"),
+  )
+  def test_a_newcomer_while_running(self, running, restarts, kind):
+    rounds = self._rounds(2, 3, restarts=restarts)
+    self._start(rounds, list(range(running)))
+    self.clock.now = 5
+    rounds.tick()
+    out = rounds.join(2, _join(), first=True)
+    self.assertIn(kind, {m["kind"] for _, m in out})
+    if kind == "stop":
+      self.assertEqual(out[0][1]["why"], "node 2 joined")
+      rounds.join(0, _join(attempt=1), first=False)
+      out = rounds.join(1, _join(attempt=1), first=False)
+      self.assertEqual(sorted(_kinds(out)), [0, 1, 2])
+
+  def test_finish_once_every_trainer_is_done(self):
+    rounds = self._rounds(2, 2)
+    self._start(rounds, [0, 1])
+    self.assertEqual(rounds.done(0), [])
+    self.assertEqual(_kinds(rounds.done(1)), {0: ["finish"], 1: ["finish"]})
+
+  def test_a_layout_that_cannot_work_is_an_error_with_2(self):
+    rounds = self._rounds(2, 2)
+    rounds.join(0, _join(workers=0), first=True)
+    out = rounds.join(1, _join(workers=0), first=True)
+    self.assertEqual({m["code"] for _, m in out}, {2})
+
+
+def _launchers(count, *, nnodes, extra=(), program=(), port=None):
+  port = port or _net.free_ports(1)[0]
+  env = cluster_utils.base_env({_net.JOB_SECRET_VARIABLE: SECRET})
+  commands = [LAUNCH + ["--nnodes", nnodes, "--node-rank", str(r),
+                        "--master-addr", "127.0.0.1", "--master-port",
+                        str(port), *extra, "--", *program]
+              for r in range(count)]
+  return commands, env
+
+
+@pytest.mark.timeout(180)
+class LoopbackTest(parameterized.TestCase):
+
+  def test_a_lost_node_restarts_the_rest_at_the_new_size(self):
+    commands, env = _launchers(
+        3, nnodes="2:3", extra=["--max-restarts", "1",
+                                "--restart-delay-seconds", "0"],
+        program=[sys.executable, TASK, "envwait", "4"])
+    with cluster_utils.Tasks(commands=commands, envs=[env] * 3,
+                             cwd=cluster_utils.REPO,
+                             merge_stderr=True) as tasks:
+      for i in range(3):
+        tasks.wait_for(i, lambda l: "env=" in l, 60)
+      tasks.kill(2)
+      codes = [tasks.wait(i, 60) for i in (0, 1)]
+      outs = [tasks.stdout(i) for i in (0, 1)]
+    self.assertEqual(codes, [0, 0], outs)
+    for out in outs:
+      self.assertRegex(out, r"tfdist: restart 1 of 1 after 0 s: node 2's "
+                            r"launcher went away .*; 3 nodes, now 2")
+      sizes = [len(json.loads(l.split("env=", 1)[1])["cluster"]["worker"])
+               for l in out.splitlines() if "env=" in l]
+      self.assertEqual(sizes, [3, 2])
+    self.assertIn("[worker:0] env=", outs[0].split("restart 1")[1],
+                  "the chief stays on node 0")
+
+
+_BED = netbed.netbed_unavailable_reason()
+
+
+@pytest.mark.timeout(420)
+@absltest.skipIf(_BED is not None, _BED)
+class BedTest(parameterized.TestCase):
+  """Three hosts train ``fault_job.py`` (Keras fit, a backup every 2 steps,
+  one worker each) under ``--nnodes 2:3``; the survivors end with the
+  weights of an uninterrupted run of the same global batch."""
+
+  def _command(self, bed, rank, backup):
+    return bed.command(f"h{rank}", LAUNCH + [
+        "--nnodes", "2:3", "--node-rank", str(rank), "--master-addr",
+        bed.address("h0"), "--master-port", "29500", "--last-call-seconds",
+        "3", "--max-restarts", "2", "--restart-delay-seconds", "0",
+        "--grace-seconds", "5", "--", sys.executable,
+        os.path.join(cluster_utils.SCRIPTS, fault_runs.JOB),
+        "multi_worker_mirrored", "fit", backup, "--sleep", "0.4"])
+
+  @parameterized.named_parameters(("launcher_killed", "kill"),
+                                  ("link_cut", "cut"))
+  def test_a_late_node_is_admitted_and_a_lost_one_leaves(self, how):
+    env = cluster_utils.base_env({_net.JOB_SECRET_VARIABLE: SECRET})
+    with tempfile.TemporaryDirectory() as d:
+      reference = fault_runs.reference(d)
+      backup = os.path.join(d, "backup")
+      with netbed.NetBed(hosts=("h0", "h1", "h2")) as bed, cluster_utils.Tasks(
+          commands=[self._command(bed, r, backup) for r in range(3)],
+          envs=[env] * 3, cwd=cluster_utils.REPO, merge_stderr=True,
+          start=False) as tasks:
+        tasks.start(0, 1)
+        tasks.wait_for(0, lambda l: l.startswith("[worker:0] step 3"), 180)
+        tasks.start(2)  # Late: admitted by a restart.
+        tasks.wait_for(0, lambda l: "restart 1 of 2" in l, 120)
+        tasks.wait_for(2, lambda l: l.startswith("[worker:2] step "), 180)
+        if how == "kill":
+          tasks.kill(2)  # Its tasks die with it (parent-death signal).
+        else:
+          bed.cut("h2")
+        codes = [tasks.wait(i, 300) for i in (0, 1)]
+        outs = [tasks.stdout(i) for i in (0, 1)]
+    self.assertEqual(codes, [0, 0], outs)
+    for out in outs:
+      self.assertIn("restart 1 of 2 after 0 s: node 2 joined; 2 nodes, now 3",
+                    out)
+      self.assertRegex(out, r"restart 2 of 2 after 0 s: .*; 3 nodes, now 2")
+      result = json.loads(next(l for l in reversed(out.splitlines())
+                               if re.match(r"\[worker:\d\] \{", l))
+                          .split(" ", 1)[1])
+      fault_runs.assert_like(self, result, reference)
+
+
+if __name__ == "__main__":
+  absltest.main()

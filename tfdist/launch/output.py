@@ -1,0 +1,137 @@
+"""The launcher's console: each task's lines with its role, and its own.
+
+Every line of a task carries one ``[type:index]`` prefix. Keras's progress
+bar (backspaces, then a carriage return, then the new state) is drawn in
+place on a terminal; elsewhere (a pipe, a log file) only a redrawn line's
+last state is written, once, so no control character reaches a log.
+TensorFlow's start-up lines that ``TF_CPP_MIN_LOG_LEVEL`` does not silence
+are dropped from the console and from failure tails alike, unless the user
+set that level; each task's log file keeps everything. TensorFlow-free.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import threading
+from typing import BinaryIO, Sequence, TextIO
+
+__all__ = ["Console", "TAIL_LINES"]
+
+#: The lines of a failed task's output that the launcher repeats.
+TAIL_LINES = 20
+#: TensorFlow's start-up lines that TF_CPP_MIN_LOG_LEVEL does not silence
+#: (written before its logging starts): no GPU driver on a CPU machine, and
+#: oneDNN's notice (TF_ENABLE_ONEDNN_OPTS=0 would silence it by changing the
+#: numerics, so the line is dropped instead).
+_NOISE = re.compile(
+    r"All log messages before absl::InitializeLog\(\) is called are written "
+    r"to STDERR|cudart_stub\.cc:\d+\] Could not find cuda drivers"
+    r"|cuda_platform\.cc:\d+\] failed call to cuInit"
+    r"|port\.cc:\d+\] oneDNN custom operations are on")
+#: A terminal control sequence (colour, erase): kept for terminals only.
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+class Console:
+  """Where the tasks' output and the launcher's own lines meet.
+
+  Args:
+    out: the stream everything is written to.
+    quiet: drop TensorFlow's start-up noise (`_NOISE`).
+  """
+
+  def __init__(self, out: TextIO, *, quiet: bool = True):
+    self._out = out
+    self.quiet = quiet
+    self._lock = threading.Lock()
+    self._tty = hasattr(out, "isatty") and out.isatty()
+    self._partial: dict[str, str] = {}  # Role -> its redrawn line's state.
+    self._drawing: str | None = None  # The role whose bar the cursor is on.
+
+  @property
+  def stream(self) -> TextIO:
+    return self._out
+
+  def reader(self, role: str, stream: BinaryIO, log: TextIO | None
+             ) -> tuple[threading.Thread, collections.deque]:
+    """A thread (not started) copying ``stream`` here and to ``log``, which
+    it closes at the end, and the deque of the last `TAIL_LINES` lines."""
+    tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
+    thread = threading.Thread(target=self._pump, args=(role, stream, tail, log),
+                              daemon=True, name=f"tfdist-output-{role}")
+    return thread, tail
+
+  def say(self, text: str) -> None:
+    """The launcher's own line(s), each after ``tfdist: ``."""
+    with self._lock:
+      self._end_bar()
+      self._out.write(f"tfdist: {text}\n")
+      self._out.flush()
+
+  def failure(self, role: str, code: int, tail: Sequence[str]) -> None:
+    """Says that task ``role`` ended with return code ``code``, and its
+    last lines."""
+    how = (f"was killed by signal {-code}" if code < 0
+           else f"exited with code {code}")
+    lines = [f"task {role} {how}; last lines of its output:"]
+    lines += [f"  | {line}" for line in tail] or ["  | (no output)"]
+    self.say("\n".join(lines))
+
+  def _pump(self, role, stream, tail, log) -> None:
+    """Copies a task's output; a carriage return ends a redrawn line."""
+    pending = b""
+    try:
+      for chunk in iter(lambda: stream.read1(65536), b""):
+        pending += chunk
+        while True:
+          cut = min((i for i in (pending.find(b"\n"), pending.find(b"\r"))
+                     if i >= 0), default=-1)
+          if cut < 0:
+            break
+          piece, end = pending[:cut], pending[cut:cut + 1]
+          pending = pending[cut + 1:]
+          self._emit(role, piece.decode(errors="replace"), end == b"\n",
+                     tail, log)
+      if pending:
+        self._emit(role, pending.decode(errors="replace"), True, tail, log)
+    finally:
+      if log:
+        log.close()
+
+  def _emit(self, role, text, newline, tail, log) -> None:
+    """One line (``newline``) or one state of a redrawn line of ``role``."""
+    text = text.replace("\b", "")  # Keras erases with \b, then returns.
+    with self._lock:
+      drawn = self._partial.get(role)
+      if not newline:
+        if text:
+          self._partial[role] = text
+          if self._tty:
+            if self._drawing not in (None, role):
+              self._out.write("\n")  # End the other task's bar.
+            self._out.write(f"\r[{role}] {text}\x1b[K")
+            self._drawing = role
+            self._out.flush()
+        return
+      self._partial.pop(role, None)
+      if not text and drawn is not None:
+        text = drawn  # The bar's last state is its final line.
+      plain = _ANSI.sub("", text)  # Keras colours its bar.
+      if log:
+        log.write(plain + "\n")
+        log.flush()
+      if self.quiet and _NOISE.search(plain):
+        return  # Kept in the task's log file only.
+      tail.append(plain)
+      if self._tty and self._drawing is not None:
+        self._out.write("\r" if self._drawing == role else "\n")
+      self._drawing = None
+      self._out.write(f"[{role}] {text if self._tty else plain}"
+                      + ("\x1b[K\n" if self._tty else "\n"))
+      self._out.flush()
+
+  def _end_bar(self) -> None:
+    if self._tty and self._drawing is not None:
+      self._out.write("\n")
+      self._drawing = None
