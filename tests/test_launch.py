@@ -102,6 +102,9 @@ class ClusterTfConfigsTest(parameterized.TestCase):
       self.assertEqual(ports, list(range(base, base + len(ports))))
 
 
+_NODE = ["--master-addr", "127.0.0.1", "--master-port", "29999"]
+
+
 class LaunchSpecTest(absltest.TestCase):
   """A `LaunchSpec` is a pure value: building one touches nothing."""
 
@@ -394,6 +397,19 @@ class LaunchBadInputTest(parameterized.TestCase):
       ("grace_nan", ["--grace-seconds", "nan"], "--grace-seconds"),
       ("restart_delay_negative", ["--restart-delay-seconds", "-1"],
        "--restart-delay-seconds"),
+      # Elastic node counts: torchrun's MIN:MAX spelling, checked up front.
+      ("nnodes_min_above_max", ["--nnodes", "3:2"] + _NODE, "--nnodes: received '3:2'"),
+      ("nnodes_zero_min", ["--nnodes", "0:2"] + _NODE, "--nnodes: received '0:2'"),
+      ("nnodes_no_max", ["--nnodes", "2:"] + _NODE, "--nnodes: received '2:'"),
+      ("nnodes_words", ["--nnodes", "a:b"] + _NODE, "--nnodes: received 'a:b'"),
+      ("node_rank_past_max", ["--nnodes", "1:2", "--node-rank", "2"] + _NODE,
+       "--node-rank: received 2"),
+      ("min_node_0_cannot_serve", ["--nnodes", "1:3", "--workers", "0",
+                                   "--chief"] + _NODE, "cannot train alone"),
+      ("ps_off_node_0_when_elastic", ["--nnodes", "2:3", "--node-rank", "1",
+                                      "--ps", "1"] + _NODE, "--node-rank: received 1"),
+      ("last_call_negative", ["--last-call-seconds", "-1"],
+       "--last-call-seconds"),
   )
   def test_bad_flags(self, flags, needle):
     self._assert_usage_error(flags + ["--", sys.executable, TASK, "ok"], needle)
