@@ -20,11 +20,12 @@ STEPS = 18  # fault_job.py's steps in all: 3 epochs of 6, or --steps.
 TOLERANCE = 1e-5
 
 
-def reference(tmp: str, loop: str = "fit") -> dict:
-  """The JSON result of an uninterrupted single-process run of ``loop``."""
+def reference(tmp: str, loop: str = "fit", *args: str) -> dict:
+  """The JSON result of an uninterrupted single-process run of ``loop``
+  (with the job's further ``args``, e.g. ``--batch 12``)."""
   return cluster_utils.run_to_end(
       JOB, args=["default", loop, os.path.join(tmp, f"reference-{loop}"),
-                 "--sleep", "0"])[0]
+                 "--sleep", "0", *args])[0]
 
 
 def assert_like(test: absltest.TestCase, out: dict, expected: dict) -> None:

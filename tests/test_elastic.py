@@ -224,14 +224,15 @@ class BedTest(parameterized.TestCase):
         "3", "--max-restarts", "2", "--restart-delay-seconds", "0",
         "--grace-seconds", "5", "--", sys.executable,
         os.path.join(cluster_utils.SCRIPTS, fault_runs.JOB),
-        "multi_worker_mirrored", "fit", backup, "--sleep", "0.4"])
+        "multi_worker_mirrored", "fit", backup, "--sleep", "0.4", "--batch",
+        "12"])
 
   @parameterized.named_parameters(("launcher_killed", "kill"),
                                   ("link_cut", "cut"))
   def test_a_late_node_is_admitted_and_a_lost_one_leaves(self, how):
     env = cluster_utils.base_env({_net.JOB_SECRET_VARIABLE: SECRET})
     with tempfile.TemporaryDirectory() as d:
-      reference = fault_runs.reference(d)
+      reference = fault_runs.reference(d, "fit", "--batch", "12")
       backup = os.path.join(d, "backup")
       with netbed.NetBed(hosts=("h0", "h1", "h2")) as bed, cluster_utils.Tasks(
           commands=[self._command(bed, r, backup) for r in range(3)],

@@ -8,6 +8,7 @@ every 2 steps); ``keras`` the same with plain ``model.fit`` and
 ``tfdist.BackupAndRestore(DIR, save_freq=2)``; ``runner`` with tfdist.Runner (N steps, checkpoints in DIR
 every 3 steps). Each step prints ``step K`` (K counted over restarts) and
 sleeps S seconds, so a test can signal or kill a task mid-training.
+``--batch G`` sets the global batch (8; 12 splits over 2 and 3 workers).
 ``--pause S`` prints ``paused`` once the model is built and sleeps S seconds
 before training starts: the window of start-up and restore.
 """
@@ -29,6 +30,7 @@ parser.add_argument("--steps", type=int, default=18)
 parser.add_argument("--timeout", type=float, default=None)
 parser.add_argument("--startup-timeout", type=float, default=None)
 parser.add_argument("--pause", type=float, default=0)
+parser.add_argument("--batch", type=int, default=job_common.GLOBAL_BATCH)
 args = parser.parse_args()
 
 options = {"timeout_seconds": args.timeout} if args.timeout else {}
@@ -40,9 +42,9 @@ strategy = tfdist.make_strategy(args.strategy, **options)
 
 import keras  # pylint: disable=g-import-not-at-top
 
-G = job_common.GLOBAL_BATCH
+G = args.batch
 if args.loop in ("fit", "keras"):
-  x, y = job_common.data(48)  # 6 steps per epoch.
+  x, y = job_common.data(6 * G)  # 6 steps per epoch.
   with strategy.scope():
     model = job_common.model()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
