@@ -71,16 +71,16 @@ def model():
   ])
 
 
-def dataset_fn(x, y):
+def dataset_fn(x, y, global_batch: int = GLOBAL_BATCH):
   """Per-replica batches cut from global batches in order."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   def fn(ctx):
-    per_replica = ctx.get_per_replica_batch_size(GLOBAL_BATCH)
-    width = GLOBAL_BATCH // ctx.num_input_pipelines
+    per_replica = ctx.get_per_replica_batch_size(global_batch)
+    width = global_batch // ctx.num_input_pipelines
     start = ctx.input_pipeline_id * width
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        GLOBAL_BATCH, drop_remainder=True).repeat()
+        global_batch, drop_remainder=True).repeat()
     ds = ds.map(lambda a, b: (a[start:start + width], b[start:start + width]))
     return ds.unbatch().batch(per_replica, drop_remainder=True)
   return fn

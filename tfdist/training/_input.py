@@ -8,6 +8,8 @@ of steps in, and ParameterServerStrategy's per-worker input.
 
 Each step takes one per-replica batch per local replica from each input
 pipeline, so skipping that many batches puts a resumed run where it stopped.
+A `Stream` also knows its global batch where the input says it (arrays, a
+constant ``batch``), so a backup can keep its position in samples.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tfdist.data import batching
 from tfdist.data import feed
 from tfdist.data.feed import DatasetFn
 from tfdist.errors import ConfigError
+from tfdist.strategy import introspect
 
 __all__ = ["Stream", "check_steps", "per_worker_iterator", "skipping"]
 
@@ -67,14 +70,23 @@ class Stream:
   """
 
   def __init__(self, *, steps_per_epoch: int, make: Callable[[int], Any],
-               dataset_fn: DatasetFn | None = None):
+               dataset_fn: DatasetFn | None = None,
+               batch: Callable[[], int | None] = lambda: None,
+               samples: int | None = None):
     self.steps_per_epoch = steps_per_epoch
     self._make = make
     self.dataset_fn = dataset_fn
+    self._batch = batch
+    self._samples = samples
 
   def skipping(self, steps: int) -> Any:
     """The input, ``steps`` steps in."""
     return self._make(steps)
+
+  def sizes(self) -> tuple[int | None, int | None]:
+    """The global batch and the samples of an epoch; ``None`` if unknown."""
+    batch = self._batch()
+    return batch, self._samples or (batch and batch * self.steps_per_epoch)
 
   @classmethod
   def make(cls, x: Any, y: Any, *, strategy: tf.distribute.Strategy,
@@ -95,7 +107,12 @@ class Stream:
                           expected="no y with a dataset function")
       check_steps(steps_per_epoch, "a dataset function")
       x = feed.checked(x, field="x", source=_SOURCE)
-      return cls(steps_per_epoch=steps_per_epoch, dataset_fn=x,
+
+      def batch():  # A per-replica batch per replica.
+        size = _batch_size(x(tf.distribute.InputContext(
+            introspect.num_input_workers(strategy), 0, replicas)))
+        return size and size * replicas
+      return cls(steps_per_epoch=steps_per_epoch, dataset_fn=x, batch=batch,
                  make=lambda skip: strategy.distribute_datasets_from_function(
                      skipping(x, skip)))
     if ps:
@@ -118,13 +135,14 @@ class Stream:
                  "function that batches with "
                  "input_context.get_per_replica_batch_size(global_batch)")
       cardinality = int(x.cardinality())
+      batch = lambda: _batch_size(x)
       if cardinality == tf.data.INFINITE_CARDINALITY:
         check_steps(steps_per_epoch, "an infinite dataset")
-        return cls(steps_per_epoch=steps_per_epoch, make=x.skip)
+        return cls(steps_per_epoch=steps_per_epoch, make=x.skip, batch=batch)
       if cardinality <= 0:
         check_steps(steps_per_epoch, "a dataset of unknown size")
       steps = steps_per_epoch or cardinality
-      return cls(steps_per_epoch=steps, make=x.repeat().skip)
+      return cls(steps_per_epoch=steps, make=x.repeat().skip, batch=batch)
     if x is None:
       raise ConfigError(field="x", value=None, source=_SOURCE,
                         expected="arrays, a tf.data.Dataset or a dataset "
@@ -165,18 +183,29 @@ class Stream:
         lambda idx: tf.nest.map_structure(lambda a: tf.gather(a, idx), arrays),
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     steps = steps_per_epoch or math.ceil(n / batch_size)
-    return cls(steps_per_epoch=steps, make=data.skip)
+    return cls(steps_per_epoch=steps, make=data.skip,
+               batch=lambda: batch_size,
+               samples=None if steps_per_epoch else n)
+
+
+def _batch_node(dataset: tf.data.Dataset) -> tf.data.Dataset | None:
+  """The last batching transformation on the dataset's input chain."""
+  node = dataset
+  for _ in range(100):
+    if node is None or "batch" in type(node).__name__.lower():
+      return node
+    node = getattr(node, "_input_dataset", None)
+  return None
 
 
 def _is_batched(dataset: tf.data.Dataset) -> bool:
   """True when a batching transformation is on the dataset's input chain."""
-  if batching.static_batch_size(dataset):
-    return True
-  seen = 0
-  node = dataset
-  while node is not None and seen < 100:
-    if "batch" in type(node).__name__.lower():
-      return True
-    node = getattr(node, "_input_dataset", None)
-    seen += 1
-  return False
+  return bool(batching.static_batch_size(dataset)) or bool(_batch_node(dataset))
+
+
+def _batch_size(dataset: tf.data.Dataset) -> int | None:
+  """The batch size ``dataset`` was batched with, when it is a constant."""
+  size = batching.static_batch_size(dataset)
+  node = None if size else _batch_node(dataset)
+  value = tf.get_static_value(getattr(node, "_batch_size", None))
+  return size or (int(value) if value is not None else None)

@@ -3,7 +3,8 @@
 A drop-in replacement for ``keras.callbacks.BackupAndRestore`` for plain
 ``model.fit`` under a tfdist strategy, and the backup behind
 ``tfdist.fit(backup_dir=...)``. It checkpoints the model, the optimizer and
-the position (epoch, step within the epoch):
+the position (epoch, step within the epoch, the global batch and the number
+of workers):
 
 * the chief writes ``backup_dir``; other workers write a temporary directory
   that is removed at once (`tfdist.training.chief.write_dir`);
@@ -16,9 +17,16 @@ the position (epoch, step within the epoch):
   steps of a partial epoch: with ``save_freq=1``, a SIGKILL mid-epoch led to
   14 optimizer iterations where 12 were due);
 * the backup directory belongs to one job: the chief records the model's
-  structure and the cluster in it (`tfdist.training.ownership`) and another
-  job's, or a directory of other files, is refused before anything is read
-  or written; every worker agrees on the restored position before training;
+  structure and the cluster shapes in it (`tfdist.training.ownership`) and
+  another job's, or a directory of other files, is refused before anything
+  is read or written; every worker agrees on the restored position before
+  training;
+* a backup resumes on any number of workers. With the same global batch it
+  resumes at the same step; with another one (a ``dataset_fn`` of
+  per-replica batches on another number of replicas, or a changed batch) at
+  the same sample of the epoch, rounded down to a whole batch, and the chief
+  logs one line saying what changed. Under plain ``model.fit`` the callback
+  cannot see fit's batch size and resumes at the saved step;
 * when training completes, what tfdist wrote there is removed, and nothing
   else.
 
@@ -35,10 +43,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from absl import logging
 import keras
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
+from tfdist.strategy import introspect
 from tfdist.training import _input
 from tfdist.training import checkpoints as checkpoints_lib
 from tfdist.training import chief as chief_lib
@@ -97,13 +107,23 @@ class BackupAndRestore(keras.callbacks.Callback):
     self._skip = 0  # Steps of the resumed epoch dropped, not applied.
     self._checkpoint: tf.train.Checkpoint | None = None
     self._position: tf.Variable | None = None
+    self._batch: int | None = None  # This run's global batch, if known.
+    self._samples: int | None = None  # Samples in one epoch, if known.
+    self._resized: str | None = None  # What changed since the backup.
 
   # --- The part tfdist.fit drives -------------------------------------------
 
-  def manage(self, model: keras.Model, *, steps_per_epoch: int) -> None:
-    """For ``tfdist.fit``: it restores, skips input and watches signals."""
+  def manage(self, model: keras.Model, *, steps_per_epoch: int,
+             global_batch: int | None = None,
+             samples_per_epoch: int | None = None) -> None:
+    """For ``tfdist.fit``: it restores, skips input and watches signals.
+
+    ``global_batch`` (samples per step) lets a backup of another global
+    batch resume at its sample; ``samples_per_epoch`` is for the log line.
+    """
     self._managed = True
     self._steps = _check_steps(steps_per_epoch)
+    self._batch, self._samples = global_batch, samples_per_epoch
     self.set_model(model)
 
   def begin(self, watcher: preemption_lib.PreemptionWatcher | None) -> None:
@@ -138,9 +158,13 @@ class BackupAndRestore(keras.callbacks.Callback):
       CheckpointError: the directory holds backups and none is readable.
     """
     strategy = self.model.distribute_strategy
-    return checkpoints_lib.agreed(strategy, self._restore_here,
-                                  directory=self._directory,
-                                  field="backup_dir", source=_SOURCE)
+    self._resized = None
+    restored = checkpoints_lib.agreed(strategy, self._restore_here,
+                                      directory=self._directory,
+                                      field="backup_dir", source=_SOURCE)
+    if self._resized and introspect.is_chief(strategy):
+      logging.warning("tfdist: %s", self._resized)
+    return restored
 
   def _restore_here(self) -> tuple[int, int] | None:
     model = self.model
@@ -155,7 +179,16 @@ class BackupAndRestore(keras.callbacks.Callback):
       if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
     checkpoints_lib.restore_latest(checkpoint, self._directory)
-    epoch, step = (int(v) for v in self._position.numpy())
+    epoch, step, batch, workers = (int(v) for v in self._position.numpy())
+    saved, here = step, introspect.num_input_workers(strategy)
+    if batch and self._batch and batch != self._batch:
+      step = step * batch // self._batch  # The sample, to a whole batch.
+    self._batch = self._batch or batch or None  # Unknown here: unchanged.
+    if batch != (self._batch or 0) or workers != here:
+      self._resized = _resize_line(
+          saved=(workers, batch), here=(here, self._batch),
+          epoch=epoch, sample=saved * batch if batch else None,
+          samples=self._samples, step=step)
     if self._steps is not None and step >= self._steps:
       raise ConfigError(
           field="steps_per_epoch", value=self._steps, source=_SOURCE,
@@ -235,7 +268,8 @@ class BackupAndRestore(keras.callbacks.Callback):
   def _ensure_checkpoint(self) -> tf.train.Checkpoint:
     if self._checkpoint is None:
       with tf.init_scope():
-        self._position = tf.Variable([0, 0], dtype=tf.int64, trainable=False,
+        self._position = tf.Variable([0] * 4, dtype=tf.int64,
+                                     trainable=False,
                                      name="tfdist_backup_position")
       self._checkpoint = tf.train.Checkpoint(
           model=self.model, optimizer=self.model.optimizer,
@@ -244,7 +278,9 @@ class BackupAndRestore(keras.callbacks.Callback):
 
   def _save(self, epoch: int, step: int) -> None:
     checkpoint = self._ensure_checkpoint()
-    self._position.assign([epoch, step])
+    self._position.assign([epoch, step, self._batch or 0,
+                           introspect.num_input_workers(
+                               self.model.distribute_strategy)])
     checkpoints_lib.save(
         checkpoint, self._directory, strategy=self.model.distribute_strategy,
         number=epoch * self._steps + step if self._steps else None,
@@ -278,6 +314,22 @@ class BackupAndRestore(keras.callbacks.Callback):
       return {}
 
     model.train_function = skipping
+
+
+def _resize_line(*, saved: tuple[int, int], here: tuple[int, int | None],
+                 epoch: int, sample: int | None, samples: int | None,
+                 step: int) -> str:
+  """Says what changed since the backup, and where training goes on."""
+  def size(workers, batch):
+    return (f"{workers} worker{'s' * (workers != 1)} (global batch "
+            f"{batch or 'unknown'})")
+  where = (f"sample {sample} of {samples or 'an unknown number'}"
+           if sample is not None else f"step {step}")
+  line = (f"resuming a backup of {size(*saved)} on {size(*here)} at epoch "
+          f"{epoch}, {where}")
+  if sample is not None and here[1] and step * here[1] != sample:
+    line += f" (from step {step}: sample {step * here[1]})"
+  return line
 
 
 def _check_steps(steps: Any) -> int | None:

@@ -132,7 +132,9 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
   if backup_dir:
     backup = backup_lib.BackupAndRestore(
         backup_dir, save_freq=backup_every_steps or "epoch")
-    backup.manage(model, steps_per_epoch=stream.steps_per_epoch)
+    batch, samples = stream.sizes()
+    backup.manage(model, steps_per_epoch=stream.steps_per_epoch,
+                  global_batch=batch, samples_per_epoch=samples)
     restored = backup.restore()
     if restored is not None:
       epoch, step = restored

@@ -3,16 +3,18 @@
 The chief records the job that first writes a backup or checkpoint directory
 in ``tfdist-owner.json`` (written to a temporary name, then linked into place,
 so it never replaces anything): a fingerprint of the model's variables (their
-names, shapes and dtypes, in order) and the cluster (job names and task
-counts; an evaluator is no part of training). A run that finds another job's
-record there, or files and no record, is refused with a `tfdist.ConfigError`
-before anything is read or written: two jobs given one directory would
-otherwise resume from each other's state or remove it. `release` removes only
+names, shapes and dtypes, in order) and the cluster shapes that have used
+it (job names and task counts; an evaluator is no part of training). A run
+that finds another model's record there, or files and no record, is refused
+with a `tfdist.ConfigError` before anything is read or written: two jobs
+given one directory would otherwise resume from each other's state or remove
+it. `release` removes only
 what tfdist wrote: checkpoint files, the state file and the record, and the
 directory itself when tfdist created it.
 
-Two runs of one model on one cluster shape count as one job (that is how a
-restarted job finds its backup); a job that changed its model or cluster
+Runs of one model count as one job, on any cluster shape: a job restarted on
+more or fewer workers (or ps tasks) resumes from its backup, and the chief
+adds the new shape to the record's ``clusters``. A job that changed its model
 needs a new directory.
 """
 
@@ -31,7 +33,7 @@ import tensorflow as tf
 from tfdist.errors import ConfigError
 from tfdist.strategy import introspect
 
-__all__ = ["OWNER_FILE", "owner_of", "claim", "release"]
+__all__ = ["OWNER_FILE", "owner_of", "claim", "clusters", "release"]
 
 #: The owner record in a backup or checkpoint directory.
 OWNER_FILE = "tfdist-owner.json"
@@ -47,7 +49,11 @@ Owner = dict[str, Any]
 
 def owner_of(variables: Iterable[Any], strategy: tf.distribute.Strategy
              ) -> Owner:
-  """The owner record of a job training ``variables`` under ``strategy``."""
+  """The owner record of a job training ``variables`` under ``strategy``.
+
+  ``cluster`` is this run's shape; the record keeps every shape seen in
+  ``clusters``.
+  """
   described = [[str(v.name), [None if d is None else int(d) for d in v.shape],
                 str(getattr(v.dtype, "name", v.dtype))] for v in variables]
   digest = hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
@@ -78,9 +84,21 @@ def claim(directory: str, owner: Owner, *, strategy: tf.distribute.Strategy,
   if record is not None:
     _check_same(directory, record, owner, field=field, source=source)
   if introspect.is_chief(strategy):
-    if _write(directory, owner if record is None else None, field=field,
+    seen = clusters(record or {})
+    update = None  # A known shape writes nothing, only proves it could.
+    if owner["cluster"] not in seen:
+      update = {k: v for k, v in (record or owner).items() if k != "cluster"}
+      update["clusters"] = [*seen, owner["cluster"]]
+    if _write(directory, update, replace=record is not None, field=field,
               source=source):  # Another chief linked a record first.
       claim(directory, owner, strategy=strategy, field=field, source=source)
+
+
+def clusters(record: Owner) -> list[dict[str, int]]:
+  """The cluster shapes that have used a directory, oldest first."""
+  if "clusters" in record:
+    return list(record["clusters"])
+  return [record["cluster"]] if "cluster" in record else []
 
 
 def release(directory: str, strategy: tf.distribute.Strategy) -> None:
@@ -138,22 +156,23 @@ def _read(directory: str, *, field: str, source: str) -> Owner | None:
 
 def _check_same(directory: str, record: Owner, owner: Owner, *, field: str,
                 source: str) -> None:
-  keys = ("model", "cluster")
-  if all(record.get(k) == owner[k] for k in keys):
+  if record.get("model") == owner["model"]:
     return
   raise ConfigError(
       field=field, value=directory, source=source,
       expected=f"a directory of this job (model {owner['model']} with "
-               f"{owner['variables']} variables, cluster {owner['cluster']}); "
-               f"it holds another job's state (model {record.get('model')} "
-               f"with {record.get('variables')} variables, cluster "
-               f"{record.get('cluster')})",
+               f"{owner['variables']} variables); it holds another job's "
+               f"state (model {record.get('model')} with "
+               f"{record.get('variables')} variables)",
       hint=_FRESH.format(field=field, directory=directory))
 
 
-def _write(directory: str, owner: Owner | None, *, field: str,
+def _write(directory: str, record: Owner | None, *, replace: bool, field: str,
            source: str) -> bool:
-  """Records ``owner`` (or, when ``None``, only tries a write) in ``directory``.
+  """Records ``record`` (``None``: only tries a write) in ``directory``.
+
+  A new record is linked into place, never over another; with ``replace``
+  the chief's updated record is renamed over its own.
 
   Returns:
     True when another process linked a record first.
@@ -164,13 +183,16 @@ def _write(directory: str, owner: Owner | None, *, field: str,
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=_TMP_PREFIX)
     try:
       with os.fdopen(fd, "w") as f:
-        if owner is not None:
-          json.dump({**owner, "created": created}, f)
-      if owner is not None:
+        if record is not None:
+          json.dump({"created": created, **record}, f)
+      if record is not None and replace:
+        os.replace(tmp, os.path.join(directory, OWNER_FILE))
+      elif record is not None:
         # A link never replaces an existing file, unlike a rename.
         os.link(tmp, os.path.join(directory, OWNER_FILE))
     finally:
-      os.remove(tmp)
+      if os.path.exists(tmp):
+        os.remove(tmp)
   except FileExistsError:
     return True
   except OSError as e:

@@ -1,0 +1,160 @@
+"""Every backup entry point, stopped and resumed; run on any number of workers.
+
+Usage: resize_job.py ROOT [--stop K] [--stop-epoch E] [--per-replica-steps P]
+
+One task per worker (TF_CONFIG; none for one process). The entry points run
+one after another in this process, each backing up to ROOT/<entry>:
+
+* ``fit_arrays``, ``fit_dataset``: ``tfdist.fit`` on arrays (shuffled with a
+  seed) and on a seeded ``tf.data`` dataset of global batches;
+* ``keras_tfdist``: plain ``model.fit`` with ``tfdist.BackupAndRestore``;
+* ``keras_own``: plain ``model.fit`` with Keras's own ``BackupAndRestore``,
+  which resumes at epoch starts: it stops after epoch E;
+* ``runner``: ``tfdist.Runner`` with a ``checkpoint_dir``;
+* ``fit_per_replica``: ``tfdist.fit`` on a ``dataset_fn`` of per-replica
+  batches of 4, so the global batch is 4 per worker (another global batch
+  on another size); it stops after P steps of this run.
+
+The others share global batch 12 and back up every step; they stop once
+step K is backed up (a `Stop` raised before step K + 1), or train to the end
+without ``--stop``. The last line is JSON: per entry, ``weights`` after each
+step this run saw (by the optimizer's iterations, the restored ones first)
+and ``start``, the iterations when training began.
+"""
+
+import argparse
+import json
+import os
+
+import job_common
+import tfdist
+
+parser = argparse.ArgumentParser()
+parser.add_argument("root")
+parser.add_argument("--stop", type=int, default=None)
+parser.add_argument("--stop-epoch", type=int, default=None)
+parser.add_argument("--per-replica-steps", type=int, default=None)
+parser.add_argument("--only", nargs="*", help="these entry points alone")
+args = parser.parse_args()
+
+strategy = tfdist.make_strategy("multi_worker_mirrored"
+                                if "TF_CONFIG" in os.environ else "default")
+
+import keras  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+G, N, EPOCHS = 12, 48, 5  # 4 steps per epoch, 20 in all.
+x, y = job_common.data(N)
+results = {}
+
+
+class Stop(Exception):
+  """Ends an entry point once its backup holds the stop step."""
+
+
+class Record(keras.callbacks.Callback):
+  """Records the weights per step; stops before the step after ``stop``."""
+
+  def __init__(self, entry: str, stop: int | None, relative: bool = False):
+    super().__init__()
+    self._out = results.setdefault(entry, {"weights": {}, "start": None})
+    self._stop, self._relative = stop, relative
+
+  def _step(self) -> int:
+    return int(self.model.optimizer.iterations.numpy())
+
+  def on_train_begin(self, logs=None):
+    if self._out["start"] is None:
+      self._out["start"] = self._step()
+    self.on_train_batch_end(None)
+
+  def on_train_batch_begin(self, batch, logs=None):
+    done = self._step() - (self._out["start"] if self._relative else 0)
+    if self._stop is not None and done >= self._stop:
+      raise Stop()
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._out["weights"][self._step()] = job_common.weights(self.model)
+
+
+def model():
+  with strategy.scope():
+    m = job_common.model()
+    m.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+  return m
+
+
+def directory(entry: str) -> str:
+  return os.path.join(args.root, entry)
+
+
+def fit_arrays(stop):
+  tfdist.fit(model(), x, y, batch_size=G, epochs=EPOCHS, seed=1, verbose=0,
+             backup_dir=directory("fit_arrays"), backup_every_steps=1,
+             callbacks=[Record("fit_arrays", stop)])
+
+
+def fit_dataset(stop):
+  data = tf.data.Dataset.from_tensor_slices((x, y)).batch(G)
+  tfdist.fit(model(), data, epochs=EPOCHS, verbose=0,
+             backup_dir=directory("fit_dataset"), backup_every_steps=1,
+             callbacks=[Record("fit_dataset", stop)])
+
+
+def keras_tfdist(stop):
+  model().fit(x, y, batch_size=G, epochs=EPOCHS, shuffle=False, verbose=0,
+              callbacks=[tfdist.BackupAndRestore(directory("keras_tfdist"),
+                                                 save_freq=1),
+                         Record("keras_tfdist", stop)])
+
+
+def keras_own(stop):
+  stop = None if args.stop_epoch is None else args.stop_epoch * N // G
+  model().fit(x, y, batch_size=G, epochs=EPOCHS, shuffle=False, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(
+                  directory("keras_own")), Record("keras_own", stop)])
+
+
+def runner(stop):
+  m = model()
+  out = results.setdefault("runner", {"weights": {}, "start": None})
+  run = tfdist.Runner(
+      strategy=strategy, train_data=job_common.dataset_fn(x, y, G),
+      train_step=tfdist.supervised_step(
+          m, m.optimizer, keras.losses.MeanSquaredError(reduction=None),
+          global_batch_size=G),
+      checkpoint_items={"model": m, "optimizer": m.optimizer},
+      options=tfdist.RunnerOptions(checkpoint_dir=directory("runner"),
+                                   checkpoint_every=1))
+  out["start"] = run.step
+  out["weights"][run.step] = job_common.weights(m)
+  while run.step < (stop or EPOCHS * N // G):
+    run.train(run.step + 1)
+    out["weights"][run.step] = job_common.weights(m)
+  run.close()
+
+
+def fit_per_replica(stop):
+  del stop
+  replicas = strategy.num_replicas_in_sync  # One per worker here.
+
+  def dataset_fn(ctx):
+    data = tf.data.Dataset.from_tensor_slices((x, y)).shard(
+        ctx.num_input_pipelines, ctx.input_pipeline_id)
+    return data.repeat().batch(4, drop_remainder=True)
+  tfdist.fit(model(), dataset_fn, epochs=2, steps_per_epoch=N // (4 * replicas),
+             verbose=0, backup_dir=directory("fit_per_replica"),
+             backup_every_steps=1,
+             callbacks=[Record("fit_per_replica", args.per_replica_steps,
+                               relative=True)])
+
+
+for entry in (fit_arrays, fit_dataset, keras_tfdist, keras_own, runner,
+              fit_per_replica):
+  if args.only and entry.__name__ not in args.only:
+    continue
+  try:
+    entry(args.stop)
+  except Stop:
+    pass
+print(json.dumps(results), flush=True)
