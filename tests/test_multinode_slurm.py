@@ -15,6 +15,7 @@ import sys
 import tempfile
 
 from absl.testing import absltest
+import numpy as np
 import pytest
 
 import cluster_utils
@@ -149,19 +150,25 @@ class TwoNodeSlurmTest(absltest.TestCase):
     field = lambda name: re.search(rf"\b{name}=(\S*)", record).group(1)
     return field("JobState"), int(field("Restarts")), field("NodeList")
 
-  def test_a_requeue_lands_on_the_other_node_and_resumes_exactly(self):
-    directory = tempfile.mkdtemp(prefix="tfdist-requeue-")
-    self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
-    os.chmod(directory, 0o755)
-    reference = fault_runs.reference(directory)
+  def _fault_job_requeued(self, directory, sbatch_args, *, ranks, drain):
+    """fault_job.py's fit, preempted at step 2 and requeued once.
+
+    Submits ``sbatch_args`` with the fault job (backup in DIRECTORY/backup)
+    as TFDIST_COMMAND, waits until ``ranks`` tasks train, drains the node
+    ``drain(nodelist)`` names, sends USR1 as ``--signal=B:USR1@N`` does and
+    starts the requeued job at once.
+
+    Returns:
+      The first run's NodeList, the job's state, restarts and NodeList at
+      its end, and the output of the first and the second run.
+    """
     backup = os.path.join(directory, "backup")
     env = {**self.slurm.env, **_ENV, "SLURM_LABELIO": "1",
            "TFDIST_COMMAND": f"{sys.executable} {FAULT_JOB} auto fit {backup}"}
     submitted = subprocess.run(self.slurm.command(
-        ["sbatch", "--parsable", f"--chdir={directory}", "--nodes=1",
-         "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1",
-         TEMPLATE]), env=env, capture_output=True, text=True, timeout=30,
-                               check=False)
+        ["sbatch", "--parsable", f"--chdir={directory}", *sbatch_args]),
+                               env=env, capture_output=True, text=True,
+                               timeout=30, check=False)
     self.assertEqual(submitted.returncode, 0, submitted.stderr)
     job = submitted.stdout.strip().split(";")[0]
     self.addCleanup(subprocess.run, self.slurm.command(["scancel", job]),
@@ -176,16 +183,17 @@ class TwoNodeSlurmTest(absltest.TestCase):
         return ""
 
     def wait(condition, what):
-      if not cluster_utils.wait_until(condition, 150, interval=0.3):
+      if not cluster_utils.wait_until(condition, 240, interval=0.3):
         self.fail(f"timed out waiting for {what}: {self._job(job)}\n{text()}")
 
-    wait(lambda: re.search(r"(?m)^0: step 2$", text()), "step 2")
-    state, _, first_node = self._job(job)
+    wait(lambda: all(re.search(rf"(?m)^{r}: step 2$", text())
+                     for r in range(ranks)), "step 2")
+    state, _, first_nodes = self._job(job)
     self.assertEqual(state, "RUNNING")
-    # The first node goes away for new work: the requeued job must move.
-    self._scontrol("update", f"nodename={first_node}", "state=drain",
+    node = drain(first_nodes)
+    self._scontrol("update", f"nodename={node}", "state=drain",
                    "reason=tfdist-test")
-    self.addCleanup(self._scontrol, "update", f"nodename={first_node}",
+    self.addCleanup(self._scontrol, "update", f"nodename={node}",
                     "state=resume")
     subprocess.run(self.slurm.command(
         ["scancel", "--batch", "--signal=USR1", job]), env=self.slurm.env,
@@ -193,10 +201,22 @@ class TwoNodeSlurmTest(absltest.TestCase):
     wait(lambda: self._job(job)[:2] == ("PENDING", 1), "the requeue")
     self.slurm.release_requeued(job)
     wait(lambda: self._job(job)[0] in _ENDED, "the second run")
-    state, restarts, second_node = self._job(job)
-    self.assertEqual((state, restarts), ("COMPLETED", 1), text())
-    self.assertNotEqual(second_node, first_node)
     first, _, second = text().partition(f"tfdist: requeueing job {job}\n")
+    return (first_nodes, *self._job(job), first, second)
+
+  def test_a_requeue_lands_on_the_other_node_and_resumes_exactly(self):
+    directory = tempfile.mkdtemp(prefix="tfdist-requeue-")
+    self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
+    os.chmod(directory, 0o755)
+    reference = fault_runs.reference(directory)
+    # The first node goes away for new work: the requeued job must move.
+    first_node, state, restarts, second_node, first, second = (
+        self._fault_job_requeued(
+            directory, ["--nodes=1", "--ntasks-per-node=1",
+                        "--gpus-per-node=0", "--cpus-per-task=1", TEMPLATE],
+            ranks=1, drain=lambda nodes: nodes))
+    self.assertEqual((state, restarts), ("COMPLETED", 1), first + second)
+    self.assertNotEqual(second_node, first_node)
     saved = re.search(r"checkpoint saved at step (\d+); exiting with code 42",
                       first)
     self.assertIsNotNone(saved, first)
@@ -207,6 +227,41 @@ class TwoNodeSlurmTest(absltest.TestCase):
     result = json.loads(re.search(r"(?m)^0: (\{.*\})$", second).group(1))
     fault_runs.assert_like(self, result, reference)
 
+  def test_a_preempted_two_node_run_resumes_on_the_node_left(self):
+    # `tfdist slurm --nodes 1-2`: both nodes at first; node1 (the chief's) is
+    # drained while the run saves and is requeued, so SLURM grants node2
+    # alone, and training goes on there from the backup of two workers.
+    directory = tempfile.mkdtemp(prefix="tfdist-resize-")
+    self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
+    os.chmod(directory, 0o755)
+    reference = fault_runs.reference(directory)
+    script = os.path.join(directory, "job.sbatch")
+    subprocess.run(
+        [sys.executable, "-m", "tfdist", "slurm", "--preset",
+         "multi_worker_mirrored", "--nodes", "1-2", "--gpus-per-node", "0",
+         "--cpus-per-task", "1", "--time", "00:10:00", "-o", script],
+        check=True, timeout=60, env=cluster_utils.base_env(),
+        cwd=cluster_utils.REPO)
+    first_nodes, state, restarts, second_nodes, first, second = (
+        self._fault_job_requeued(directory, [script], ranks=2,
+                                 drain=lambda nodes: "node1"))
+    print(f"second run on {second_nodes}:\n{second[-3000:]}")
+    self.assertEqual(first_nodes, "node[1-2]")
+    self.assertEqual((state, restarts, second_nodes),
+                     ("COMPLETED", 1, "node2"), first + second)
+    saved = dict(re.findall(
+        r"(?m)^(\d+): .*checkpoint saved at step (\d+); exiting with code 42",
+        first))
+    self.assertEqual(sorted(saved), ["0", "1"], first)
+    self.assertLen(set(saved.values()), 1, saved)  # One agreed step.
+    self.assertNotRegex(second, r"(?m)^1: ")  # One task now.
+    steps = [int(s) for s in re.findall(r"(?m)^0: step (\d+)$", second)]
+    self.assertEqual(steps, list(range(int(saved["0"]) + 1,
+                                       fault_runs.STEPS + 1)), second)
+    result = json.loads(re.search(r"(?m)^0: (\{.*\})$", second).group(1))
+    self.assertEqual(result["iterations"], fault_runs.STEPS)
+    np.testing.assert_allclose(result["weights"], reference["weights"],
+                               rtol=fault_runs.TOLERANCE)
 
 if __name__ == "__main__":
   absltest.main()

@@ -136,6 +136,12 @@ class SbatchSpecTest(parameterized.TestCase):
       ("requeue_from_unknown", {"requeue_from": "shell"}, "requeue_from"),
       ("requeue_from_task_without_requeue",
        {"requeue_from": "task", "requeue": False}, "requeue_from"),
+      ("node_range_reversed", {"nodes": "3-2"}, "nodes"),
+      ("node_range_from_zero", {"nodes": "0-2"}, "nodes"),
+      ("node_range_of_letters", {"nodes": "a-b"}, "nodes"),
+      ("node_range_open", {"nodes": "2-"}, "nodes"),
+      ("node_range_with_roles", {"nodes": "1-2", "roles": "worker=2"},
+       "nodes"),
   )
   def test_invalid(self, changes, field):
     with self.assertRaises(ConfigError) as e:
@@ -148,6 +154,19 @@ class SbatchSpecTest(parameterized.TestCase):
       ("days_hm", "1-02:30", 95400), ("days_hms", "0-00:00:10", 10))
   def test_parse_time(self, text, seconds):
     self.assertEqual(launch.parse_time(text), seconds)
+
+  @parameterized.named_parameters(
+      ("range", "1-4", 1, "--nodes=1-4\n#SBATCH --cpus-per-task=1",
+       "--ntasks-per-node=1 "),
+      ("range_two_tasks_a_node", "1-4", 2,
+       "--nodes=1-4\n#SBATCH --mincpus=2\n", "--ntasks-per-node=2 "),
+      ("one_size", "2-2", 2, "--nodes=2\n#SBATCH --ntasks-per-node=2\n", ""),
+      ("count", 3, 1, "--nodes=3\n#SBATCH --ntasks-per-node=1\n", ""))
+  def test_nodes_as_slurm_writes_them(self, nodes, per_node, sbatch, srun):
+    text = launch.render(launch.SbatchSpec(nodes=nodes,
+                                           tasks_per_node=per_node))
+    self.assertIn(f"\n#SBATCH {sbatch}", text)
+    self.assertIn(f"\nsrun --kill-on-bad-exit=0 {srun}\"${{command", text)
 
   def test_roles_are_normalized_and_exported(self):
     spec = launch.SbatchSpec(nodes=2, tasks_per_node=2,
@@ -275,6 +294,12 @@ class SlurmCliTest(parameterized.TestCase):
     self.assertEqual(err.count("\n"), 1)
     self.assertStartsWith(err, "tfdist: warning: the command runs srun")
 
+  def test_node_range(self):
+    code, out, err = self.run_cli(["--nodes", "1-4"])
+    self.assertEqual((code, err), (0, ""))
+    self.assertEqual(out, launch.render(launch.SbatchSpec(nodes="1-4")))
+    self.assertIn("\n#SBATCH --nodes=1-4\n", out)
+
   def test_requeue_from_task(self):
     code, out, err = self.run_cli(["--requeue-from", "task",
                                    "--max-requeues", "2"])
@@ -292,7 +317,10 @@ class SlurmCliTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("zero_nodes", ["--nodes", "0"], "nodes"),
-      ("not_an_int", ["--nodes", "two"], "--nodes"),
+      ("not_an_int", ["--nodes", "two"], "nodes"),
+      ("node_range_reversed", ["--nodes", "3-2"], "3-2"),
+      ("node_range_from_zero", ["--nodes", "0-2"], "0-2"),
+      ("node_range_of_letters", ["--nodes", "a-b"], "a-b"),
       ("unknown_preset", ["--preset", "huge"], "--preset"),
       ("bad_time", ["--time", "soon"], "time"),
       ("roles_do_not_add_up", ["--roles", "chief=1,ps=1,worker=2"], "roles"),
@@ -393,6 +421,31 @@ class TemplatesOnRealSlurmTest(parameterized.TestCase):
         "multi_worker_mirrored", ["--gpus-per-node=0", "--cpus-per-task=1"],
         _payload("resolve", "--strategy=auto"))
     self.assert_workers(_results(output), job_id, 2)
+
+  @parameterized.named_parameters(("both_free", False, 1, 2),
+                                  ("one_drained", True, 1, 1),
+                                  ("two_tasks_a_node", False, 2, 2))
+  def test_a_node_range_runs_at_the_size_slurm_grants(self, drain, per_node,
+                                                      granted):
+    if drain:
+      scontrol = lambda state: subprocess.run(
+          ["scontrol", "update", f"nodename={_NODES[1]}", f"state={state}",
+           "reason=tfdist-test"], env=self.slurm.env, check=True, timeout=30)
+      scontrol("drain")
+      self.addCleanup(scontrol, "resume")
+    spec = dataclasses.replace(launch.PRESETS["multi_worker_mirrored"],
+                               nodes="1-2", tasks_per_node=per_node,
+                               gpus_per_node=0, cpus_per_task=1)
+    env = {"TFDIST_COMMAND": _payload("resolve", "--strategy=auto"),
+           "PYTHONPATH": _REPO, "PYTHONUNBUFFERED": "1"}
+    with mock.patch.dict(self.slurm.env, env):
+      _, output = self.slurm.sbatch(launch.render(spec), timeout=60)
+    results = _results(output)
+    self.assertEqual([r["procid"] for r in results],
+                     list(range(granted * per_node)), output)
+    self.assertLen({r["node"] for r in results}, granted)
+    for r in results:  # Each task resolved the cluster SLURM granted.
+      self.assertLen(r["cluster"]["worker"], granted * per_node)
 
   def test_parameter_server_roles_on_two_nodes(self):
     job_id, output = self.submit("parameter_server", ["--cpus-per-task=1"],

@@ -61,7 +61,6 @@ from tfdist.cluster.tf_config import parse_tf_config
 from tfdist.errors import ConfigError
 from tfdist.errors import TpuUnavailableError
 from tfdist.strategy import catalog
-from tfdist.strategy import clean_exit
 from tfdist.strategy.catalog import ALL_REDUCE_ALGS
 from tfdist.strategy.catalog import STRATEGY_CHOICES
 
@@ -505,7 +504,6 @@ def run(main: Callable[[list[str]], Any]) -> None:
       return main(argv)
     except (ConfigError, TpuUnavailableError) as e:
       print("tfdist: " + " ".join(str(e).split()), file=sys.stderr)
-      clean_exit.mark_failing()
       sys.exit(2)
 
   from absl import app  # pylint: disable=g-import-not-at-top

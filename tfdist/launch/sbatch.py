@@ -122,7 +122,10 @@ class SbatchSpec:
 
   Attributes:
     job_name: ``--job-name``; also names the output file ``NAME-JOBID.out``.
-    nodes: ``--nodes``.
+    nodes: ``--nodes``: a count, or ``"MIN-MAX"`` (SLURM's spelling) for
+      whatever SLURM grants in that range, first and after each requeue. The
+      tasks read the granted size from SLURM's variables, and a requeued job
+      resumes from its backup at that size.
     tasks_per_node: ``--ntasks-per-node``: one per node for
       MultiWorkerMirrored (each task uses all of its node's GPUs).
     gpus_per_node: ``--gpus-per-node``; 0 asks for no GPUs (no line).
@@ -152,7 +155,7 @@ class SbatchSpec:
       as ``TFDIST_SLURM_MAX_REQUEUES``). ``"task"`` needs ``requeue``.
   """
   job_name: str = "tfdist"
-  nodes: int = 1
+  nodes: int | str = 1
   tasks_per_node: int = 1
   gpus_per_node: int = 0
   cpus_per_task: int = 1
@@ -176,7 +179,7 @@ class SbatchSpec:
         raise ConfigError(
             field=field, value=value, source=_SOURCE,
             expected="a name of letters, digits and _.+- (no spaces)")
-    _count("nodes", self.nodes, 1, _MAX_COUNT)
+    object.__setattr__(self, "nodes", _nodes(self.nodes))
     _count("tasks_per_node", self.tasks_per_node, 1, _MAX_PER_NODE)
     _count("gpus_per_node", self.gpus_per_node, 0, _MAX_PER_NODE)
     _count("cpus_per_task", self.cpus_per_task, 1, _MAX_PER_NODE)
@@ -184,7 +187,7 @@ class SbatchSpec:
       raise ConfigError(
           field="tasks_per_node", value=self.tasks_per_node, source=_SOURCE,
           expected=(f"nodes * tasks_per_node at most {_MAX_COUNT}, not "
-                    f"{self.nodes} * {self.tasks_per_node}"))
+                    f"{self.max_nodes} * {self.tasks_per_node}"))
     limit = parse_time(self.time)
     _count("signal_seconds", self.signal_seconds, 1, _MAX_SIGNAL_SECONDS)
     if self.signal_seconds >= min(limit, _MAX_SIGNAL_SECONDS + 1):
@@ -224,6 +227,11 @@ class SbatchSpec:
       raise ConfigError(field="description", value=self.description,
                         source=_SOURCE, expected="a string")
     if self.roles is not None:
+      if isinstance(self.nodes, str):
+        raise ConfigError(
+            field="nodes", value=self.nodes, source=_SOURCE,
+            expected="one node count with roles, which name every task",
+            hint="Give --nodes N, or leave out --roles (every task a worker)")
       tasks = self.nodes * self.tasks_per_node
       roles = parse_roles(self.roles)
       if sum(roles.values()) != tasks:
@@ -235,9 +243,32 @@ class SbatchSpec:
                          ",".join(f"{k}={v}" for k, v in roles.items()))
 
   @property
+  def max_nodes(self) -> int:
+    """The most nodes SLURM may grant."""
+    return int(str(self.nodes).rpartition("-")[2])
+
+  @property
   def num_tasks(self) -> int:
-    """Tasks in the srun step: ``nodes * tasks_per_node``."""
-    return self.nodes * self.tasks_per_node
+    """The most tasks in the srun step: ``max_nodes * tasks_per_node``."""
+    return self.max_nodes * self.tasks_per_node
+
+
+def _nodes(value: object) -> int | str:
+  """``value`` as SLURM writes it: a count, or ``"MIN-MAX"`` when MIN < MAX."""
+  match = (re.fullmatch(r"(\d+)(?:-(\d+))?", value)
+           if isinstance(value, str) else None)
+  if match:
+    low, high = int(match[1]), int(match[2] or match[1])
+  elif isinstance(value, int) and not isinstance(value, bool):
+    low = high = value
+  else:
+    low = high = 0
+  if not 1 <= low <= high <= _MAX_COUNT:
+    raise ConfigError(
+        field="nodes", value=value, source=_SOURCE,
+        expected=f"a node count from 1 to {_MAX_COUNT}, or a range MIN-MAX "
+                 "with 1 <= MIN <= MAX, e.g. 2 or 1-4")
+  return low if low == high else f"{low}-{high}"
 
 
 def _lines(field: str, value: object, expected: str, *,
@@ -324,10 +355,19 @@ def render(spec: SbatchSpec) -> str:
   Returns:
     The script text; write it to a file and ``sbatch`` it.
   """
+  # With a node range, --ntasks-per-node on sbatch would fix the tasks at
+  # MIN nodes' worth and so grant MIN nodes (SLURM 22.05): srun gets it, and
+  # sbatch asks for the CPUs of a node's tasks.
+  if isinstance(spec.nodes, int):
+    per_node = [f"--ntasks-per-node={spec.tasks_per_node}"]
+  elif spec.tasks_per_node > 1:
+    per_node = [f"--mincpus={spec.cpus_per_task * spec.tasks_per_node}"]
+  else:
+    per_node = []
   sbatch = [
       f"--job-name={spec.job_name}",
       f"--nodes={spec.nodes}",
-      f"--ntasks-per-node={spec.tasks_per_node}",
+      *per_node,
       *([f"--gpus-per-node={spec.gpus_per_node}"] if spec.gpus_per_node
         else []),
       f"--cpus-per-task={spec.cpus_per_task}",
@@ -533,6 +573,8 @@ def fits_problem(spec: SbatchSpec, *, timeout: float = 10.0,
 def _run_lines(spec: SbatchSpec) -> list[str]:
   code = PREEMPTED_EXIT_CODE
   options = ["--kill-on-bad-exit=0"]
+  if isinstance(spec.nodes, str):  # A range.
+    options.append(f"--ntasks-per-node={spec.tasks_per_node}")
   if spec.roles and parse_roles(spec.roles).get("ps"):
     options.append(f"--wait={_PS_WAIT_SECONDS}")
   lines = [
@@ -543,7 +585,15 @@ def _run_lines(spec: SbatchSpec) -> list[str]:
       "# Terminated). tfdist tasks end by themselves when a peer is lost "
       "(WorkerLostError).",
   ]
-  if len(options) > 1:
+  if isinstance(spec.nodes, str):
+    lines += [
+        f"# --nodes={spec.nodes}: SLURM grants what it can in that range, "
+        "first and after a requeue;",
+        "# srun starts --ntasks-per-node tasks on each node granted, and "
+        "they read the size from",
+        "# SLURM's variables.",
+    ]
+  if spec.roles and parse_roles(spec.roles).get("ps"):
     lines += [
         "# ps and worker tasks end by themselves once the chief is done; "
         "--wait ends them",

@@ -10,34 +10,49 @@ others log ``BaseCollectiveExecutor::StartAbort UNAVAILABLE: Failed to send
 RPC to coordination service`` (the leader left) or ``tasks are unhealthy
 (stopped sending heartbeats)`` (a worker left) although nothing failed.
 
-So `register` adds an ``atexit`` handler: at a clean exit every task waits at
-one barrier of the coordination service, bounded by ``timeout_s``, and then
-they all leave together. A task that ends with an uncaught exception, or
-through tfdist's own error exits (`mark_failing`), skips the wait: a failure
-is reported at once, never held back by a barrier its peers may not reach.
-A ``sys.exit(n)`` from user code cannot be told apart from a clean end and
-waits like one (at most ``timeout_s``).
+So `register` adds an ``atexit`` handler: at a clean end (exit status 0)
+every task waits at one barrier of the coordination service, bounded by
+``timeout_s``, and they leave together. Any other end leaves at once, since
+its peers may never reach the barrier: an uncaught exception or `SystemExit`
+(`tfdist.PreemptedError` too), ``sys.exit(n)`` with n != 0; ``os._exit`` and
+signals skip ``atexit`` anyway.
+
+``atexit`` cannot read the exit status, so an end is clean when the main
+module ran to its end, or else when the last ``sys.exit`` got 0 or None
+(importing tfdist wraps ``sys.exit`` to record it, before a script's
+``sys.exit(main())`` or absl's ``app.run`` looks it up). Without the main
+module on the stack that built the strategy (a notebook, a thread), only
+those two kinds of failure are seen.
 """
 
 from __future__ import annotations
 
 import atexit
+import dis
+import functools
 import sys
 import time
+import types
 
 from tfdist.cluster.info import ClusterInfo
 
-__all__ = ["BARRIER_ID", "register", "mark_failing"]
+__all__ = ["BARRIER_ID", "register"]
 
 #: The coordination-service barrier every task reaches before it leaves.
 BARRIER_ID = "tfdist/exit"
 
-_state = {"registered": False, "failing": False}
+_state: dict = {"registered": False}
 
 
-def mark_failing() -> None:
-  """This process is ending with an error: leave without waiting for peers."""
-  _state["failing"] = True
+def _recording(exit_):
+  @functools.wraps(exit_)
+  def recording_exit(status=None):
+    _state["status"] = status
+    exit_(status)
+  return recording_exit
+
+
+sys.exit = _recording(sys.exit)
 
 
 def register(info: ClusterInfo, timeout_s: float | None) -> None:
@@ -50,11 +65,36 @@ def register(info: ClusterInfo, timeout_s: float | None) -> None:
   if timeout_s is None or info.num_workers < 2 or _state["registered"]:
     return
   _state["registered"] = True
+  _state["main"] = _main_frame()
   atexit.register(_wait, f"{info.task_type}:{info.task_id}", timeout_s)
 
 
+def _main_frame() -> types.FrameType | None:
+  """The frame running the ``__main__`` module, if it is on this stack."""
+  main = getattr(sys.modules.get("__main__"), "__dict__", None)
+  frame, found = sys._getframe(), None  # pylint: disable=protected-access
+  while frame is not None:
+    if frame.f_globals is main and frame.f_code.co_name == "<module>":
+      found = frame
+    frame = frame.f_back
+  return found
+
+
+def _clean_end() -> bool:
+  if getattr(sys, "last_value", None) is not None:
+    return False  # An uncaught exception.
+  frame = _state["main"]
+  # A main module whose last instruction was a return ran to its end.
+  if frame is not None and dis.opname[frame.f_code.co_code[frame.f_lasti]] in (
+      "RETURN_VALUE", "RETURN_CONST"):
+    return True
+  if "status" in _state:
+    return _state["status"] in (None, 0)
+  return frame is None  # Else a SystemExit raised directly ended it.
+
+
 def _wait(task: str, timeout_s: float) -> None:
-  if _state["failing"] or getattr(sys, "last_value", None) is not None:
+  if not _clean_end():
     return
   from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
   start = time.monotonic()

@@ -129,10 +129,10 @@ class MultiWorkerMirroredOptions:
       every task to join; past it the process prints the tasks not answering
       and their addresses and is killed (SIGKILL, status 137). ``None`` waits
       forever.
-    exit_timeout_seconds: at a clean exit every task waits for the others,
-      at most this long, so that none leaves while another still talks to
-      the coordination service (`tfdist.strategy.clean_exit`). ``None`` leaves at
-      once.
+    exit_timeout_seconds: at a clean end (exit status 0) every task waits
+      for the others, at most this long, so that none leaves while another
+      still talks to the coordination service (`tfdist.strategy.clean_exit`);
+      any other end leaves at once. ``None`` always leaves at once.
     transport: what carries the gradients of Keras optimizers (``fit``,
       `tfdist.fit`, `tfdist.Runner`), one of `GRADIENT_TRANSPORTS`:
       ``collective`` (TensorFlow's), ``socket`` (tfdist's ring over TCP), or
