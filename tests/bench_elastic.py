@@ -55,7 +55,9 @@ def recovery(how: str, *, workdir: str) -> dict:
         bed.cut("h2")
       tasks.wait_for(0, lambda l: "restart 1 of 1" in l, 120)
       restarted = time.monotonic()
-      tasks.wait_for(0, lambda l: l.startswith("[worker:0] step "), 240)
+      seen = []  # wait_for reads from the first line: skip to the restart.
+      tasks.wait_for(0, lambda l: seen.append("restart 1 of 1" in l) or (
+          any(seen) and l.startswith("[worker:0] step ")), 240)
       stepped = time.monotonic()
       codes = [tasks.wait(i, 240) for i in (0, 1)]
   return {"how": how, "loss_to_restart_s": restarted - lost,
