@@ -4,9 +4,11 @@ Three hosts of a `netbed.NetBed` each run ``tfdist launch --nnodes 2:3``
 of ``tests/scripts/fault_job.py`` (Keras ``fit`` under
 MultiWorkerMirroredStrategy, a backup every 2 steps, one worker per host).
 Once the three train, one host is lost: its launcher SIGKILLed (``kill``), or
-its link cut (``cut``). The figure is the time from the loss to the first
-training step at the new size on node 0, TensorFlow's start-up and the
-restore from the backup included (the time a line reaches this process).
+its link cut (``cut``); or two train and the third starts late (``join``),
+which restarts them all to admit it. The figure is the time from the loss
+(or the late launcher's start) to the first training step at the new size on
+node 0, TensorFlow's start-up and the restore from the backup included (the
+time a line reaches this process).
 Needs root, as the bed does; about a minute a run::
 
   sudo .venv/bin/python tests/bench_elastic.py --runs 2 --json /tmp/e.json
@@ -31,7 +33,8 @@ SECRET = "bench-elastic-secret"
 
 
 def recovery(how: str, *, workdir: str) -> dict:
-  """One run: seconds from losing node 2 to node 0's next step."""
+  """One run: seconds from losing node 2 (or its late start) to node 0's
+  first step after the restart."""
   env = cluster_utils.base_env({_net.JOB_SECRET_VARIABLE: SECRET})
   backup = os.path.join(workdir, f"backup-{how}-{time.monotonic_ns()}")
   with netbed.NetBed(hosts=("h0", "h1", "h2")) as bed:
@@ -39,6 +42,7 @@ def recovery(how: str, *, workdir: str) -> dict:
         sys.executable, "-m", "tfdist", "launch", "--nnodes", "2:3",
         "--node-rank", str(r), "--master-addr", bed.address("h0"),
         "--master-port", "29500", "--max-restarts", "1",
+        "--last-call-seconds", "3",
         "--restart-delay-seconds", "0", "--grace-seconds", "5", "--",
         sys.executable, os.path.join(cluster_utils.SCRIPTS, fault_runs.JOB),
         "multi_worker_mirrored", "fit", backup, "--sleep", "0.5",
@@ -46,10 +50,13 @@ def recovery(how: str, *, workdir: str) -> dict:
         for r in range(3)]
     with cluster_utils.Tasks(commands=commands, envs=[env] * 3,
                              cwd=cluster_utils.REPO,
-                             merge_stderr=True) as tasks:
+                             merge_stderr=True, start=False) as tasks:
+      tasks.start(*([0, 1] if how == "join" else [0, 1, 2]))
       tasks.wait_for(0, lambda l: l.startswith("[worker:0] step 4"), 240)
       lost = time.monotonic()
-      if how == "kill":
+      if how == "join":
+        tasks.start(2)
+      elif how == "kill":
         tasks.kill(2)
       else:
         bed.cut("h2")
@@ -59,7 +66,8 @@ def recovery(how: str, *, workdir: str) -> dict:
       tasks.wait_for(0, lambda l: seen.append("restart 1 of 1" in l) or (
           any(seen) and l.startswith("[worker:0] step ")), 240)
       stepped = time.monotonic()
-      codes = [tasks.wait(i, 240) for i in (0, 1)]
+      codes = [tasks.wait(i, 240) for i in ((0, 1, 2) if how == "join"
+                                           else (0, 1))]
   return {"how": how, "loss_to_restart_s": restarted - lost,
           "loss_to_first_step_s": stepped - lost, "exit_codes": codes,
           "load": os.getloadavg()}
@@ -68,7 +76,7 @@ def recovery(how: str, *, workdir: str) -> dict:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--runs", type=int, default=1)
-  parser.add_argument("--how", nargs="+", default=["kill", "cut"])
+  parser.add_argument("--how", nargs="+", default=["kill", "cut", "join"])
   parser.add_argument("--json", required=True)
   args = parser.parse_args()
   reason = netbed.netbed_unavailable_reason()
