@@ -91,6 +91,9 @@ _FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
 #: A task that could not be started -> the field to blame.
 _START_ERRORS = {errno.EMFILE: "num_workers", errno.ENFILE: "num_workers",
                  errno.EAGAIN: "num_workers", errno.ENOMEM: "num_workers"}
+#: Node 0 could not listen for the rendezvous -> the field to blame (else
+#: master_addr: not an address of node 0).
+_LISTEN_ERRORS = {errno.EADDRINUSE: "master_port", errno.EACCES: "master_port"}
 _PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
 #: TensorFlow's start-up lines that TF_CPP_MIN_LOG_LEVEL does not silence
 #: (written before its logging starts): no GPU driver on a CPU machine, and
@@ -324,6 +327,11 @@ def preflight(spec: LaunchSpec) -> None:
 
   if spec.nnodes > 1:
     job_secret(spec)
+    _, why = _net.lookup(spec.master_addr)
+    if why:
+      raise ConfigError(
+          field="master_addr", value=spec.master_addr, source=_SOURCE,
+          hint=why, expected="node 0's address, or a name that resolves to it")
   gpu_plan(spec, [kind for kind, n in spec.jobs.items() for _ in range(n)]
            + ["evaluator"] * spec.evaluator, {**os.environ, **spec.env})
 
@@ -462,6 +470,7 @@ class Launcher:
     self._lock = threading.Lock()
     self._tasks: list[_Task] = []
     self._signal: int | None = None
+    self._stop = threading.Event()  # Set with _signal: ends rendezvous waits.
     self._tty = hasattr(self._out, "isatty") and self._out.isatty()
     self._quiet = False  # Set by _start_all: drop TensorFlow's start-up noise.
     self._partial: dict[str, str] = {}  # Role -> its redrawn line's state.
@@ -516,14 +525,18 @@ class Launcher:
               secret=secret.encode(), timeout=spec.rendezvous_timeout_seconds,
               max_restarts=spec.max_restarts, log=self._out)
         except OSError as e:
+          field = _LISTEN_ERRORS.get(e.errno, "master_addr")
           raise ConfigError(
-              field="master_port", value=spec.master_port, source=_SOURCE,
-              expected=f"a port node 0 can listen on at {spec.master_addr}",
+              field=field, value=getattr(spec, field), source=_SOURCE,
+              expected=f"an address of node 0 and a free port (node 0 "
+                       f"cannot listen on {spec.master_addr} port "
+                       f"{spec.master_port})",
               hint=f"{e.strerror or e}; --master-addr must be an address of "
                    "node 0 and the port free") from None
       member = rendezvous.Member(
           master=(spec.master_addr, spec.master_port), rank=spec.node_rank,
-          secret=secret.encode(), timeout=spec.rendezvous_timeout_seconds)
+          secret=secret.encode(), timeout=spec.rendezvous_timeout_seconds,
+          stop=self._stop)
       host = spec.host or member.local_address
       _make_dirs(spec.log_dir)
       attempt = 0
@@ -549,7 +562,7 @@ class Launcher:
           return 128 + self._signal
     except rendezvous.RendezvousError as e:
       self._say(f"node {spec.node_rank}: {e}")
-      return e.code
+      return e.code if self._signal is None else 128 + self._signal
     finally:
       self._stop_all()
       if member is not None:
@@ -764,6 +777,7 @@ class Launcher:
     del frame
     again = self._signal is not None
     self._signal = self._signal or signum
+    self._stop.set()
     for t in self._tasks:
       _signal_group(t.proc, signal.SIGKILL if again else _FORWARDED[signum])
 
