@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
-from typing import Any, Iterator, Mapping
+from typing import Any, Collection, Iterator, Mapping
 
 from tfdist.errors import ConfigError
 
@@ -76,8 +76,8 @@ def command(args: argparse.Namespace, *, source: str,
 
 
 @contextlib.contextmanager
-def config_errors(*, source: str,
-                  renamed: Mapping[str, str] | None = None) -> Iterator[None]:
+def config_errors(*, source: str, renamed: Mapping[str, str] | None = None,
+                  args: argparse.Namespace | None = None) -> Iterator[None]:
   """Re-raises a `ConfigError` in terms of the command line.
 
   Args:
@@ -85,6 +85,7 @@ def config_errors(*, source: str,
     renamed: config field -> the flag that sets it, for configs whose fields
       are not spelt like their flags; the field is renamed in the error's
       field, expectation and hint.
+    args: the parsed command line: none of its values is ever renamed.
 
   Raises:
     ConfigError: the error from the body, with ``source`` as its source.
@@ -93,14 +94,26 @@ def config_errors(*, source: str,
   try:
     yield
   except ConfigError as e:
+    values = [e.value, *vars(args or argparse.Namespace()).values()]
+    keep = {str(word) for value in values
+            for word in (value if isinstance(value, (list, tuple))
+                         else [value])}
     raise ConfigError(field=renamed.get(e.field, e.field), value=e.value,
-                      expected=_respell(e.expected, renamed), source=source,
-                      hint=_respell(e.hint, renamed)) from None
+                      expected=_respell(e.expected, renamed, keep),
+                      source=source,
+                      hint=_respell(e.hint, renamed, keep)) from None
 
 
-def _respell(text: str | None, renamed: Mapping[str, str]) -> str | None:
-  """``text`` with every config field in ``renamed`` written as its flag."""
+def _respell(text: str | None, renamed: Mapping[str, str],
+             keep: Collection[str]) -> str | None:
+  """``text`` with each config field in ``renamed`` written as its flag
+  where it stands as a word of its own: never inside a longer word (a host
+  name, a path: ``no.such.host.invalid`` stays) nor where it is one of the
+  user's values (``keep``)."""
   if not text or not renamed:
     return text
-  pattern = r"\b(" + "|".join(map(re.escape, renamed)) + r")\b"
-  return re.sub(pattern, lambda m: renamed[m.group(1)], text)
+  names = "|".join(map(re.escape, sorted(renamed, key=len, reverse=True)))
+  pattern = (r"(?<![^\s(\[{'\"`])(" + names
+             + r")(?=$|[\s)\]}'\"`,;=]|[.:!?](?:\s|$))")
+  return re.sub(pattern, lambda m: (m.group(1) if m.group(1) in keep
+                                    else renamed[m.group(1)]), text)

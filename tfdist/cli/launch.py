@@ -100,7 +100,8 @@ def build_spec(args: argparse.Namespace) -> launch_lib.LaunchSpec:
     ConfigError: the arguments make an invalid spec, or this machine cannot
       run it (`tfdist.launch.preflight`).
   """
-  with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS)):
+  with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS),
+                           args=args):
     spec = launch_lib.LaunchSpec(
         command=_args.command(args, source=_SOURCE, example=_EXAMPLE),
         **_args.given(args, _FLAGS))
@@ -116,5 +117,6 @@ def run(args: argparse.Namespace) -> int:
       run it; no task is left running.
   """
   spec = build_spec(args)
-  with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS)):
+  with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS),
+                           args=args):
     return launch_lib.launch(spec)

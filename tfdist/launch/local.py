@@ -74,6 +74,9 @@ _FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
 #: A task that could not be started -> the field to blame.
 _START_ERRORS = {errno.EMFILE: "num_workers", errno.ENFILE: "num_workers",
                  errno.EAGAIN: "num_workers", errno.ENOMEM: "num_workers"}
+#: Node 0 could not listen for the rendezvous -> the field to blame (else
+#: master_addr: not an address of node 0).
+_LISTEN_ERRORS = {errno.EADDRINUSE: "master_port", errno.EACCES: "master_port"}
 _PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
 
 
@@ -182,9 +185,11 @@ class Launcher:
           secret=secret, timeout=spec.rendezvous_timeout_seconds,
           max_restarts=spec.max_restarts, log=self._console.stream)
     except OSError as e:
+      field = _LISTEN_ERRORS.get(e.errno, "master_addr")
       raise ConfigError(
-          field="master_port", value=spec.master_port, source=_SOURCE,
-          expected=f"a port node 0 can listen on at {spec.master_addr}",
+          field=field, value=getattr(spec, field), source=_SOURCE,
+          expected=f"an address of node 0 and a free port (node 0 cannot "
+                   f"listen on {spec.master_addr} port {spec.master_port})",
           hint=f"{e.strerror or e}; --master-addr must be an address of "
                "node 0 and the port free") from None
 

@@ -13,7 +13,13 @@ address only); every launcher, node 0's included, joins it as a `Member`:
    (``mac(secret, VALUES, D, A)``) and the message's sequence number in its
    direction: a message that was altered, replayed, reordered or sent by
    anyone without the secret ends that connection. A connection that fails
-   the proof is dropped and logged once; the job goes on.
+   the proof is dropped and logged once; the job goes on. One thread runs
+   every proof in flight (a selector, not a thread per connection), each
+   under one deadline for its whole hello, proof and join message
+   (`_HANDSHAKE_SECONDS`), at most `MAX_UNPROVEN` at once: a newcomer beyond
+   that drops the oldest. An ``accept()`` that fails (no descriptors left)
+   is tried again after a pause. So strangers, however many and however
+   slow, hold no connection for long and cannot stop the master.
 2. **Join.** Each member sends its node rank, the address the others should
    dial it at, and its tasks (chief, workers, ps, evaluator) with ports it
    picked free on its own host.
@@ -45,16 +51,22 @@ one supervision loop whatever the number of nodes.
 
 The secret (`tfdist._net.JOB_SECRET_VARIABLE` in the environment, or a file)
 is never sent, and never appears on a command line. Every wait is bounded,
-every message is capped at `MAX_MESSAGE_BYTES`. No TensorFlow here.
+and a member's end once its ``stop`` event is set (by the launcher's signal
+handler); every message is capped at `MAX_MESSAGE_BYTES`. No TensorFlow
+here.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import hmac
 import json
 import math
+import os
 import queue
+import resource
+import selectors
 import socket
 import struct
 import sys
@@ -66,8 +78,8 @@ from tfdist import _secret
 from tfdist.errors import TfdistError
 
 __all__ = ["Master", "Member", "Rounds", "Solo", "RendezvousError",
-           "layout_problem",
-           "HEARTBEAT_SECONDS", "SILENCE_SECONDS", "MAX_MESSAGE_BYTES"]
+           "layout_problem", "HEARTBEAT_SECONDS", "SILENCE_SECONDS",
+           "MAX_MESSAGE_BYTES", "MAX_UNPROVEN"]
 
 #: How often each side says it is alive.
 HEARTBEAT_SECONDS = 1.0
@@ -75,8 +87,20 @@ HEARTBEAT_SECONDS = 1.0
 SILENCE_SECONDS = 10.0
 #: The largest message accepted (a cluster of thousands of tasks fits).
 MAX_MESSAGE_BYTES = 1 << 20
-#: The bound on the proof of membership.
+#: The bound on a whole proof of membership and join message.
 _HANDSHAKE_SECONDS = 5.0
+#: Connections the master holds before they prove the secret; a newcomer
+#: beyond it drops the oldest. A member proves itself within a round trip of
+#: being accepted, so it gets in unless more than this many strangers are
+#: accepted in that time. At most a quarter of the open-file limit.
+MAX_UNPROVEN = 512
+#: Newcomers the master accepts between two rounds of the proofs in flight.
+_ACCEPTS_PER_ROUND = 64
+#: How long the master waits to accept again after ``accept()`` failed.
+_ACCEPT_PAUSE_SECONDS = 0.1
+#: How often every wait looks at its stop event (and the master at close).
+_STEP_SECONDS = 0.2
+_HELLO = b"TFDR"
 #: How long a closing master waits for its members to say goodbye.
 _CLOSE_SECONDS = 2.0
 _CONTEXT = "tfdist-rendezvous"
@@ -119,15 +143,16 @@ class _Channel:
       self.sock.sendall(struct.pack(">I", len(body)) + body + tag)
 
   def receive(self, timeout: float) -> dict:
-    """The next message; raises ``OSError`` on a closed, silent or forged
+    """The next message, whole within ``timeout`` s; raises ``OSError``
+    (``TimeoutError`` when late) on a closed, silent or forged
     connection."""
-    self.sock.settimeout(timeout)
-    size = struct.unpack(">I", _read(self.sock, 4))[0]
+    deadline = time.monotonic() + timeout
+    size = struct.unpack(">I", _read(self.sock, 4, deadline))[0]
     if size > MAX_MESSAGE_BYTES:
       raise OSError(f"a message of {size} bytes (more than "
                     f"{MAX_MESSAGE_BYTES})")
-    body = _read(self.sock, size)
-    tag = _read(self.sock, _secret.MAC_SIZE)
+    body = _read(self.sock, size, deadline)
+    tag = _read(self.sock, _secret.MAC_SIZE, deadline)
     want = self._tag(self._labels[1], self._received, body)
     if not hmac.compare_digest(tag, want):
       raise OSError("a message failed its authentication (altered, replayed "
@@ -149,46 +174,72 @@ class _Channel:
       pass
 
 
-def _read(sock: socket.socket, n: int) -> bytes:
+def _read(sock: socket.socket, n: int, deadline: float,
+          stop: threading.Event | None = None) -> bytes:
+  """``n`` bytes, all by monotonic ``deadline`` (not a timeout per byte);
+  ``TimeoutError`` when late or once ``stop`` is set."""
   data = bytearray()
   while len(data) < n:
-    chunk = sock.recv(n - len(data))
+    left = deadline - time.monotonic()
+    if left <= 0 or (stop is not None and stop.is_set()):
+      raise TimeoutError(f"{len(data)} of {n} bytes in time")
+    sock.settimeout(left if stop is None else min(left, _STEP_SECONDS))
+    try:
+      chunk = sock.recv(n - len(data))
+    except TimeoutError:
+      continue
     if not chunk:
       raise OSError("the connection closed")
     data += chunk
   return bytes(data)
 
 
-def _dial_proof(sock: socket.socket, secret: bytes) -> _Channel:
+class _Refused(OSError):
+  """The master failed its proof: it does not hold this job's secret."""
+
+
+def _dial_proof(sock: socket.socket, secret: bytes,
+                stop: threading.Event) -> _Channel:
   """The member's side of the proof of membership."""
-  sock.settimeout(_HANDSHAKE_SECONDS)
+  deadline = time.monotonic() + _HANDSHAKE_SECONDS
   mine = _secret.nonce()
-  sock.sendall(b"TFDR" + mine)
-  answer = _read(sock, _secret.NONCE_SIZE + _secret.MAC_SIZE)
+  sock.settimeout(_HANDSHAKE_SECONDS)
+  sock.sendall(_HELLO + mine)
+  answer = _read(sock, _secret.NONCE_SIZE + _secret.MAC_SIZE, deadline, stop)
   theirs, proof = answer[:_secret.NONCE_SIZE], answer[_secret.NONCE_SIZE:]
   if not hmac.compare_digest(
       proof, _secret.mac(secret, _secret.ACCEPT, _CONTEXT, mine, theirs)):
-    raise OSError("the master did not prove it holds this job's secret")
+    raise _Refused("the master did not prove it holds this job's secret")
   sock.sendall(_secret.mac(secret, _secret.DIAL, _CONTEXT, mine, theirs))
   return _Channel(sock, _secret.mac(secret, _secret.VALUES, _CONTEXT, mine,
                                     theirs), dialer=True)
 
 
-def _accept_proof(sock: socket.socket, secret: bytes) -> _Channel:
-  """The master's side of the proof of membership."""
-  sock.settimeout(_HANDSHAKE_SECONDS)
-  hello = _read(sock, 4 + _secret.NONCE_SIZE)
-  if hello[:4] != b"TFDR":
-    raise OSError("not a tfdist rendezvous hello")
-  theirs, mine = hello[4:], _secret.nonce()
-  sock.sendall(mine + _secret.mac(secret, _secret.ACCEPT, _CONTEXT, theirs,
-                                  mine))
-  proof = _read(sock, _secret.MAC_SIZE)
-  if not hmac.compare_digest(
-      proof, _secret.mac(secret, _secret.DIAL, _CONTEXT, theirs, mine)):
-    raise OSError("it did not prove it holds this job's secret")
-  return _Channel(sock, _secret.mac(secret, _secret.VALUES, _CONTEXT, theirs,
-                                    mine), dialer=False)
+def _connect(address: tuple[str, int], deadline: float,
+             stop: threading.Event) -> socket.socket:
+  """A socket connected to ``address`` by ``deadline``, dialed without
+  blocking so that ``stop`` ends the wait; ``OSError`` otherwise."""
+  family, kind, proto, _, where = socket.getaddrinfo(
+      *address, type=socket.SOCK_STREAM)[0]
+  sock = socket.socket(family, kind, proto)
+  try:
+    sock.setblocking(False)
+    code = sock.connect_ex(where)
+    with selectors.DefaultSelector() as waiting:
+      waiting.register(sock, selectors.EVENT_WRITE)
+      while code in (errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN):
+        left = deadline - time.monotonic()
+        if left <= 0 or stop.is_set():
+          raise TimeoutError("no answer to the connection in time")
+        if waiting.select(min(left, _STEP_SECONDS)):
+          code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if code:
+      raise OSError(code, os.strerror(code))
+  except BaseException:
+    sock.close()
+    raise
+  sock.setblocking(True)
+  return sock
 
 
 def layout_problem(joins: Mapping[int, Mapping[str, Any]]) -> str | None:
@@ -233,6 +284,51 @@ def _cluster(joins: Mapping[int, Mapping[str, Any]]) -> tuple[dict, dict]:
     if join.get("evaluator"):
       places[rank].append(("evaluator", 0))
   return {job: tasks for job, tasks in cluster.items() if tasks}, places
+
+
+class _Unproven:
+  """A connection the master holds until it proves the secret."""
+
+  __slots__ = ("sock", "peer", "deadline", "data", "nonces")
+
+  def __init__(self, sock: socket.socket, peer: str):
+    self.sock, self.peer = sock, peer
+    self.deadline = time.monotonic() + _HANDSHAKE_SECONDS
+    self.data = bytearray()
+    self.nonces: tuple[bytes, bytes] | None = None  # Theirs, mine.
+
+
+def _accept_step(hello: _Unproven, secret: bytes) -> _Channel | None:
+  """The master's side of the proof of membership, one readable socket at a
+  time without blocking: its channel once proven, else ``None``; raises
+  ``OSError`` when it fails."""
+  need = (len(_HELLO) + _secret.NONCE_SIZE if hello.nonces is None
+          else _secret.MAC_SIZE)
+  try:
+    chunk = hello.sock.recv(need - len(hello.data))
+  except BlockingIOError:
+    return None
+  if not chunk:
+    raise OSError("the connection closed")
+  hello.data += chunk
+  if len(hello.data) < need:
+    return None
+  data, hello.data = bytes(hello.data), bytearray()
+  if hello.nonces is None:
+    if data[:len(_HELLO)] != _HELLO:
+      raise OSError("not a tfdist rendezvous hello")
+    theirs, mine = data[len(_HELLO):], _secret.nonce()
+    answer = mine + _secret.mac(secret, _secret.ACCEPT, _CONTEXT, theirs, mine)
+    if hello.sock.send(answer) != len(answer):  # A fresh socket takes it.
+      raise OSError("it did not take the answer")
+    hello.nonces = theirs, mine
+    return None
+  theirs, mine = hello.nonces
+  if not hmac.compare_digest(
+      data, _secret.mac(secret, _secret.DIAL, _CONTEXT, theirs, mine)):
+    raise OSError("it did not prove it holds this job's secret")
+  return _Channel(hello.sock, _secret.mac(secret, _secret.VALUES, _CONTEXT,
+                                          theirs, mine), dialer=False)
 
 
 Outbox = list[tuple[int, dict]]
@@ -446,7 +542,8 @@ class Solo:
 
 
 class Master:
-  """Node 0's rendezvous server (a daemon thread per connection).
+  """Node 0's rendezvous server: one thread for every proof of membership in
+  flight, a daemon thread per proven member, one that sends.
 
   Args:
     address: the ``(host, port)`` it listens on.
@@ -476,19 +573,27 @@ class Master:
     self._members: dict[int, _Channel] = {}
     self._heard: dict[int, float] = {}  # Rank -> when it last said anything.
     self._outbox: queue.Queue = queue.Queue()
-    self._strangers: set[str] = set()
+    self._said: set[str] = set()
     self._threads: list[threading.Thread] = []
     self._beaten = 0.0  # When the last heartbeat went out.
+    self._closed = threading.Event()
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    self._most_unproven = (MAX_UNPROVEN if files == resource.RLIM_INFINITY
+                           else max(1, min(MAX_UNPROVEN, files // 4)))
     family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
     self._listener = socket.socket(family, socket.SOCK_STREAM)
     self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
       self._listener.bind(address)
-      self._listener.listen(64)
+      self._listener.listen(1024)
+      self._listener.setblocking(False)
     except OSError:
       self._listener.close()
       raise
-    for target in (self._accept_loop, self._heartbeats, self._sender):
+    self._gate_thread = threading.Thread(target=self._gate, daemon=True,
+                                         name="tfdist-rendezvous-gate")
+    self._gate_thread.start()
+    for target in (self._heartbeats, self._sender):
       threading.Thread(target=target, daemon=True,
                        name="tfdist-rendezvous").start()
 
@@ -500,10 +605,9 @@ class Master:
       self._rounds.over = True
       members = list(self._members.values())
       threads = list(self._threads)
-    try:
-      self._listener.close()
-    except OSError:
-      pass
+    self._closed.set()
+    self._gate_thread.join(_CLOSE_SECONDS)
+    self._listener.close()
     self._outbox.put(None)
     deadline = time.monotonic() + _CLOSE_SECONDS
     while not self._outbox.empty() and time.monotonic() < deadline:
@@ -518,32 +622,95 @@ class Master:
     for channel in members:
       channel.close()
 
-  def _accept_loop(self) -> None:
-    while True:
+  def _gate(self) -> None:
+    """Accepts connections and runs their proofs, oldest first in
+    ``pending`` (by descriptor); a proven one goes on in `_serve`."""
+    pending: dict[int, _Unproven] = {}
+    selector = selectors.DefaultSelector()
+    resume, listening = 0.0, False
+    try:
+      while not self._closed.is_set():
+        now = time.monotonic()
+        while pending and next(iter(pending.values())).deadline <= now:
+          self._drop(selector, pending, next(iter(pending)),
+                     f"no proof within {_HANDSHAKE_SECONDS:g} s")
+        if not listening and now >= resume:
+          selector.register(self._listener, selectors.EVENT_READ)
+          listening = True
+        elif listening and now < resume:
+          selector.unregister(self._listener)
+          listening = False
+        ready = [key.fd for key, _ in selector.select(_STEP_SECONDS)]
+        for fd in ready:  # Proofs first: accepting may drop the oldest.
+          hello = pending.get(fd)
+          if hello is None:
+            continue
+          try:
+            channel = _accept_step(hello, self._secret)
+          except OSError as e:
+            self._drop(selector, pending, fd, str(e))
+            continue
+          if channel is not None:
+            selector.unregister(pending.pop(fd).sock)
+            hello.sock.setblocking(True)
+            thread = threading.Thread(
+                target=self._serve, args=(channel, hello.peer, hello.deadline),
+                daemon=True, name="tfdist-rendezvous-member")
+            with self._lock:
+              self._threads.append(thread)
+            thread.start()
+        if self._listener.fileno() in ready:
+          resume = self._accept(selector, pending)
+    finally:
+      for hello in pending.values():
+        hello.sock.close()
+      selector.close()
+      self._listener.close()
+
+  def _accept(self, selector: selectors.BaseSelector,
+              pending: dict[int, _Unproven]) -> float:
+    """Takes newcomers; returns when to accept again (``accept()`` failed:
+    no descriptors left, say; the loop goes on after a pause)."""
+    for _ in range(_ACCEPTS_PER_ROUND):
       try:
         sock, peer = self._listener.accept()
-      except OSError:
-        return  # Closed.
-      thread = threading.Thread(target=self._serve, args=(sock, peer[0]),
-                                daemon=True, name="tfdist-rendezvous-member")
-      with self._lock:
-        self._threads.append(thread)
-      thread.start()
+      except BlockingIOError:
+        break
+      except OSError as e:
+        self._say_once(f"accept {e.errno}", f"accept() failed ({e}); trying "
+                       f"again every {_ACCEPT_PAUSE_SECONDS:g} s")
+        return time.monotonic() + _ACCEPT_PAUSE_SECONDS
+      if len(pending) >= self._most_unproven:
+        self._drop(selector, pending, next(iter(pending)),
+                   f"more than {self._most_unproven} connections without "
+                   "proof: dropped the oldest")
+      sock.setblocking(False)
+      pending[sock.fileno()] = _Unproven(sock, peer[0])
+      selector.register(sock, selectors.EVENT_READ)
+    return 0.0
+
+  def _drop(self, selector: selectors.BaseSelector,
+            pending: dict[int, _Unproven], fd: int, why: str) -> None:
+    hello = pending.pop(fd)
+    selector.unregister(hello.sock)
+    hello.sock.close()
+    self._stranger(hello.peer, why)
+
+  def _say_once(self, key: str, text: str) -> None:
+    with self._lock:
+      if key in self._said:
+        return
+      self._said.add(key)
+    print(f"tfdist: rendezvous: {text}", file=self._log, flush=True)
 
   def _stranger(self, peer: str, why: str) -> None:
-    with self._lock:
-      if peer in self._strangers:
-        return
-      self._strangers.add(peer)
-    print(f"tfdist: rendezvous: turned away a connection from {peer}: {why}",
-          file=self._log, flush=True)
+    self._say_once(peer, f"turned away a connection from {peer}: {why}")
 
-  def _serve(self, sock: socket.socket, peer: str) -> None:
+  def _serve(self, channel: _Channel, peer: str, deadline: float) -> None:
     try:
-      channel = _accept_proof(sock, self._secret)
-      join = channel.receive(_HANDSHAKE_SECONDS)
+      join = channel.receive(max(0.0, deadline - time.monotonic()))
     except (OSError, ValueError) as e:
-      sock.close()
+      channel.close()
       self._stranger(peer, str(e))
       return
     rank = join.get("rank")
@@ -615,8 +782,7 @@ class Master:
       self._send(*item)
 
   def _heartbeats(self) -> None:
-    while self._listener.fileno() >= 0:
-      time.sleep(min(HEARTBEAT_SECONDS, 0.25))
+    while not self._closed.wait(min(HEARTBEAT_SECONDS, _STEP_SECONDS)):
       with self._lock:
         self._post(self._rounds.tick())
         now = time.monotonic()
@@ -640,9 +806,15 @@ class Member:
     rank: this node's rank.
     secret: the job's secret.
     timeout: seconds to reach the master and for enough nodes to join.
-    stop: set by a signal: every wait here then ends, raising
-      `RendezvousError`.
+    stop: once set, every wait here (dialing, proving, `join`) ends within
+      `_STEP_SECONDS` with a `RendezvousError`; a launcher's signal handler
+      sets it.
     say: where a line for the user goes (a node told to wait).
+
+  Raises:
+    RendezvousError: from the constructor, when the master cannot be
+      reached within ``timeout``, does not hold the secret, or ``stop`` is
+      set.
   """
 
   def __init__(self, *, master: tuple[str, int], rank: int, secret: bytes,
@@ -650,32 +822,36 @@ class Member:
                say=None):
     self._rank = rank
     self._timeout = timeout
-    self._stop = stop or threading.Event()
+    self._stop = stop = stop or threading.Event()
     self._say = say or (lambda text: print(f"tfdist: {text}", flush=True))
     self._inbox: queue.Queue = queue.Queue()
+    where = f"{master[0]}:{master[1]}"
     deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while True:
+    while True:  # Dial until proven: a flood may drop a connection.
       self._check_stop()
       try:
-        sock = socket.create_connection(master, timeout=_HANDSHAKE_SECONDS)
-        break
+        sock = _connect(master, deadline, stop)
       except OSError as e:
-        last_error = e
-        if time.monotonic() > deadline:
+        error = e
+      else:
+        try:
+          self._channel = _dial_proof(sock, secret, stop)
+          break
+        except _Refused as e:
+          sock.close()
           raise RendezvousError(
-              f"could not reach the rendezvous at {master[0]}:{master[1]} "
-              f"within {timeout:g} s ({last_error}); is node 0's launcher "
-              "running, and --master-addr/--master-port the same on every "
-              "node?") from None
-        self._stop.wait(0.5)
-    try:
-      self._channel = _dial_proof(sock, secret)
-    except OSError as e:
-      sock.close()
-      raise RendezvousError(
-          f"the rendezvous at {master[0]}:{master[1]} refused this node: "
-          f"{e}; every node needs the same job secret") from None
+              f"the rendezvous at {where} refused this node: {e}; every "
+              "node needs the same job secret") from None
+        except OSError as e:
+          sock.close()
+          error = e
+      self._check_stop()
+      if time.monotonic() > deadline:
+        raise RendezvousError(
+            f"could not reach the rendezvous at {where} within {timeout:g} s "
+            f"({error}); is node 0's launcher running, and "
+            "--master-addr/--master-port the same on every node?") from None
+      stop.wait(0.5)
     #: The address the master sees this node at.
     self.local_address = sock.getsockname()[0]
     self._last = time.monotonic()
@@ -701,7 +877,7 @@ class Member:
     deadline = time.monotonic() + self._timeout + SILENCE_SECONDS
     while time.monotonic() < deadline:
       self._check_stop()
-      message = self.poll(timeout=0.2)
+      message = self.poll(timeout=_STEP_SECONDS)
       if message is None:
         continue
       kind = message["kind"]
@@ -724,8 +900,7 @@ class Member:
 
   def _check_stop(self) -> None:
     if self._stop.is_set():
-      raise RendezvousError("stopped by a signal while waiting in the "
-                            "rendezvous")
+      raise RendezvousError("stopped while waiting in the rendezvous")
 
   def send(self, message: Mapping[str, Any]) -> None:
     try:
@@ -773,3 +948,4 @@ class Member:
     self.send({"kind": "bye"})
     self._alive = False
     self._channel.close()
+

@@ -327,6 +327,12 @@ def preflight(spec: LaunchSpec) -> Prepared:
                     f"port {taken[0]} on {spec.address} is taken"),
           hint="Pick another port_base or leave it out to use free ports")
 
+  if spec.nnodes > 1:
+    _, why = _net.lookup(spec.master_addr)
+    if why:
+      raise ConfigError(
+          field="master_addr", value=spec.master_addr, source=_SOURCE,
+          hint=why, expected="node 0's address, or a name that resolves to it")
   return Prepared(secret=job_secret(spec) or secrets.token_hex(32),
                   gpus=gpu_plan(spec, spec.kinds, {**os.environ, **spec.env}))
 
