@@ -163,10 +163,8 @@ class Launcher:
         if not self._sleep(delay):
           return 128 + self._signal
     except rendezvous.RendezvousError as e:
-      if self._signal is not None:
-        return 128 + self._signal
       self._console.say(f"node {spec.node_rank}: {e}")
-      return e.code
+      return e.code if self._signal is None else 128 + self._signal
     finally:
       self._stop_all()
       if member is not None:
