@@ -19,7 +19,7 @@ from absl.testing import parameterized
 import pytest
 
 from tfdist import _net
-from tfdist.launch import rendezvous
+from tfdist.launch import rounds as rounds_lib
 
 import cluster_utils
 import fault_runs
@@ -56,7 +56,7 @@ class RoundsTest(parameterized.TestCase):
 
   def _rounds(self, low, high, restarts=2, last_call=5.0):
     self.clock = _Clock()
-    return rendezvous.Rounds(min_nodes=low, max_nodes=high,
+    return rounds_lib.Rounds(min_nodes=low, max_nodes=high,
                              max_restarts=restarts, timeout=60,
                              last_call=last_call, clock=self.clock)
 

@@ -93,20 +93,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_spec(args: argparse.Namespace) -> launch_lib.LaunchSpec:
-  """The spec the arguments ask for, checked against this machine; starts
-  and writes nothing.
+  """The spec the arguments ask for; touches nothing (`tfdist.launch.launch`
+  checks it against this machine first, `tfdist.launch.preflight`).
 
   Raises:
-    ConfigError: the arguments make an invalid spec, or this machine cannot
-      run it (`tfdist.launch.preflight`).
+    ConfigError: the arguments make an invalid spec.
   """
-  with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS),
-                           args=args):
-    spec = launch_lib.LaunchSpec(
+  with _errors(args):
+    return launch_lib.LaunchSpec(
         command=_args.command(args, source=_SOURCE, example=_EXAMPLE),
         **_args.given(args, _FLAGS))
-    launch_lib.preflight(spec)
-  return spec
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
       run it; no task is left running.
   """
   spec = build_spec(args)
-  with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS),
-                           args=args):
+  with _errors(args):
     return launch_lib.launch(spec)
+
+
+def _errors(args: argparse.Namespace):
+  return _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS),
+                             args=args)

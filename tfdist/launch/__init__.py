@@ -4,7 +4,8 @@
 |--------------|-------------------------------------------------------------|
 | `spec`       | `LaunchSpec`, its checks, and `preflight` (once per run)    |
 | `local`      | the one supervision loop of ``tfdist launch``, any number of nodes |
-| `rendezvous` | membership round by round: one node in process, or node 0's server proven by the job secret |
+| `rounds`     | who trains, round by round: the decisions (`Rounds`), and one node's rendezvous (`Solo`) |
+| `rendezvous` | node 0's server and each node's member: `Rounds` over the network, proven by the job secret |
 | `output`     | the tasks' prefixed output, progress bars and failure tails |
 | `sbatch`     | an sbatch script that starts the tasks with ``srun`` (``tfdist slurm``) |
 

@@ -59,6 +59,7 @@ from tfdist import _net
 from tfdist.errors import ConfigError
 from tfdist.launch import output
 from tfdist.launch import rendezvous
+from tfdist.launch import rounds
 from tfdist.launch.spec import LaunchSpec
 from tfdist.launch.spec import Prepared
 from tfdist.launch.spec import make_dirs
@@ -131,7 +132,7 @@ class Launcher:
                 f"interface (0.0.0.0), not only on {spec.address}: host "
                 "only sets the addresses in TF_CONFIG", file=sys.stderr,
                 flush=True)
-        member, host = rendezvous.Solo(max_restarts=spec.max_restarts), None
+        member, host = rounds.Solo(max_restarts=spec.max_restarts), None
       else:
         if spec.node_rank == 0:
           master = self._master(prepared.secret.encode())

@@ -1,0 +1,291 @@
+"""Who trains, round by round: the rendezvous's decisions, without I/O.
+
+`Rounds` decides, from joins, failures, losses and the clock, when a round
+of the job starts, who is in it and where each task goes, and when it ends
+in a restart (at whatever size is left) or for good. `Solo` is the
+rendezvous of one node, `Rounds` run in the launcher's own process; node 0's
+`tfdist.launch.rendezvous.Master` runs the same `Rounds` for many nodes over
+the network. TensorFlow-free.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import Any, Mapping, Sequence
+
+from tfdist.errors import TfdistError
+
+__all__ = ["Rounds", "Solo", "RendezvousError", "layout_problem", "Outbox"]
+
+_JOB_ORDER = ("chief", "worker", "ps")
+
+
+class RendezvousError(TfdistError):
+  """The rendezvous failed; ``str()`` is one line for the user.
+
+  Attributes:
+    code: the exit code the launcher should end with (2: a layout or input
+      that cannot work; 1: a node lost or not joining; 0: the job finished
+      without this node).
+  """
+
+  def __init__(self, message: str, *, code: int = 1):
+    super().__init__(message)
+    self.code = code
+
+
+
+def layout_problem(joins: Mapping[int, Mapping[str, Any]]) -> str | None:
+  """Why the nodes' tasks make no cluster, or ``None``.
+
+  Args:
+    joins: node rank -> its join message (``jobs``: job -> count,
+      ``evaluator``: bool).
+  """
+  def where(job: str) -> list[int]:
+    return [r for r, j in sorted(joins.items()) if j["jobs"].get(job)]
+  total = {job: sum(j["jobs"].get(job, 0) for j in joins.values())
+           for job in _JOB_ORDER}
+  if not total["worker"]:
+    return "no node runs a worker task: give one node --workers 1 or more"
+  if total["chief"] > 1:
+    return (f"{total['chief']} chief tasks (nodes {where('chief')}): give "
+            "exactly one node --chief")
+  if total["ps"] and not total["chief"]:
+    return (f"ps tasks on nodes {where('ps')} but no chief: give one node "
+            "--chief (the ParameterServerStrategy coordinator)")
+  evaluators = [r for r, j in sorted(joins.items()) if j.get("evaluator")]
+  if len(evaluators) > 1:
+    return (f"evaluators on nodes {evaluators}: give at most one node "
+            "--evaluator")
+  return None
+
+
+def _cluster(joins: Mapping[int, Mapping[str, Any]]) -> tuple[dict, dict]:
+  """The cluster spec, and node rank -> its tasks' (type, index), in order."""
+  cluster: dict[str, list[str]] = {job: [] for job in _JOB_ORDER}
+  places: dict[int, list[tuple[str, int]]] = {}
+  for rank, join in sorted(joins.items()):
+    ports = iter(join["ports"])
+    host = join["host"]
+    where = f"[{host}]" if ":" in host else host
+    places[rank] = []
+    for job in _JOB_ORDER:
+      for _ in range(join["jobs"].get(job, 0)):
+        places[rank].append((job, len(cluster[job])))
+        cluster[job].append(f"{where}:{next(ports)}")
+    if join.get("evaluator"):
+      places[rank].append(("evaluator", 0))
+  return {job: tasks for job, tasks in cluster.items() if tasks}, places
+
+
+Outbox = list[tuple[int, dict]]
+
+
+class Rounds:
+  """Who trains, round by round: the rendezvous's decisions, without I/O.
+
+  A round gathers joins, then runs. The first round starts when ``max_nodes``
+  joined, or ``min_nodes`` or more once ``last_call`` seconds passed since
+  ``min_nodes`` had joined; a later round starts once every node still
+  connected joined again. A running round ends in ``finish`` (every node with
+  training tasks is done), or in ``stop``: with ``restart`` (the next round's
+  number) while restarts remain and ``min_nodes`` or more nodes are left,
+  else for good. A task that fails, a node that is lost, and a node that
+  joins a running round below ``max_nodes`` each start a restart, and each
+  restart counts against ``max_restarts``. Every method returns the messages
+  to send, as (node rank, message) pairs.
+  """
+
+  def __init__(self, *, min_nodes: int, max_nodes: int, max_restarts: int,
+               timeout: float, last_call: float = 0.0, clock=time.monotonic):
+    self._min, self._max = min_nodes, max_nodes
+    self._max_restarts = max_restarts
+    self._timeout, self._last_call_seconds = timeout, last_call
+    self._clock = clock
+    self.attempt = 0
+    self.over = False
+    self._members: set[int] = set()  # Connected and proven.
+    self._joins: dict[int, dict] = {}  # The round gathering, or running.
+    self._running = False
+    self._done: set[int] = set()
+    self._deadline = clock() + timeout
+    self._last_call: float | None = None
+    self._restarted: dict[str, Any] = {}  # Why, and the size before.
+
+  def join(self, rank: int, message: dict, *, first: bool) -> Outbox:
+    """Node ``rank`` joins: ``first`` on a new connection (a newcomer
+    joins whatever round is on), else for the round it names."""
+    if self.over:
+      return []
+    if first:
+      self._members.add(rank)
+    elif message.get("attempt") != self.attempt:
+      return []  # A join from before a restart.
+    if not self._running:
+      self._joins[rank] = message
+      return self._maybe_start()
+    if not first:
+      return []
+    if len(self._joins) < self._max and self._restarts_left:
+      out = self._stop(f"node {rank} joined", code=0)
+      self._joins[rank] = message
+      return out
+    return [(rank, {"kind": "wait", "why": (
+        f"node {rank} waits: the job runs on {len(self._joins)} nodes and "
+        f"{'is full' if len(self._joins) >= self._max else 'has no restart left'}"
+        "; it joins at the next restart")})]
+
+  def failed(self, rank: int, message: dict) -> Outbox:
+    """A task of node ``rank`` failed in the round ``message`` names."""
+    if (self.over or not self._running or rank not in self._joins
+        or message.get("attempt") != self.attempt):
+      return []  # Already stopping, or a failure from before a restart.
+    where = f" on node {rank}" if self._max > 1 else ""
+    return self._stop(f"task {message.get('role')}{where} failed",
+                      code=message.get("code", 1))
+
+  def done(self, rank: int) -> Outbox:
+    """Node ``rank``'s training tasks finished."""
+    if self.over or not self._running or rank not in self._joins:
+      return []
+    self._done.add(rank)
+    if not set(_trainer_nodes(self._joins)) <= self._done:
+      return []
+    self.over = True
+    return [(r, {"kind": "finish"}) for r in sorted(self._members)]
+
+  def lost(self, rank: int, why: str) -> Outbox:
+    """Node ``rank`` is gone (its connection closed, or it went silent)."""
+    self._members.discard(rank)
+    if self.over:
+      return []
+    if not self._running:
+      self._joins.pop(rank, None)
+      return self._maybe_start()
+    if rank not in self._joins:
+      return []  # A node that waited for a restart.
+    return self._stop(why, code=1)
+
+  def tick(self) -> Outbox:
+    """What the clock decides: the last call, or a round not joined in
+    time."""
+    if self.over or self._running:
+      return []
+    if self._last_call is not None and self._clock() >= self._last_call:
+      return self._maybe_start()
+    if self._clock() <= self._deadline:
+      return []
+    self.over = True
+    if self._min == self._max:
+      why = (f"nodes {sorted(set(range(self._max)) - set(self._joins))} did "
+             f"not join the rendezvous within {self._timeout:g} s")
+    else:
+      why = (f"{len(self._joins)} nodes joined the rendezvous within "
+             f"{self._timeout:g} s; the job needs {self._min} or more")
+    return [(r, {"kind": "error", "code": 1, "why": why})
+            for r in sorted(self._members)]
+
+  @property
+  def _restarts_left(self) -> bool:
+    return self.attempt < self._max_restarts
+
+  def _maybe_start(self) -> Outbox:
+    joined = len(self._joins)
+    if joined < self._min:
+      self._last_call = None
+      return []
+    if self.attempt == 0 and joined < self._max:
+      if self._last_call is None:
+        self._last_call = self._clock() + self._last_call_seconds
+      if self._clock() < self._last_call:
+        return []
+    if self.attempt and joined < self._max and not (
+        set(self._joins) >= self._members):
+      return []  # Wait for every node still connected.
+    problem = layout_problem(self._joins)
+    if problem:
+      self.over = True
+      return [(r, {"kind": "error", "code": 2, "why": problem})
+              for r in sorted(self._members)]
+    cluster, places = _cluster(self._joins)
+    self._running, self._done = True, set()
+    return [(r, {"kind": "cluster", "attempt": self.attempt,
+                 "cluster": cluster, "places": places[r],
+                 "nodes": sorted(self._joins), **self._restarted})
+            for r in sorted(self._joins)]
+
+  def _stop(self, why: str, *, code: int) -> Outbox:
+    """Ends the running round: a restart, or the end of the job."""
+    nodes = len(self._members)
+    if self._restarts_left and nodes >= self._min:
+      message = {"kind": "stop", "code": code, "why": why,
+                 "restart": self.attempt + 1}
+      self._restarted = {"why": why, "previous": len(self._joins)}
+      self.attempt += 1
+      self._running, self._joins, self._last_call = False, {}, None
+      self._deadline = self._clock() + self._timeout
+    else:
+      self.over = True
+      if nodes < self._min:
+        why += f"; {nodes} nodes left, the job needs {self._min}"
+      message = {"kind": "stop", "code": code or 1, "why": why,
+                 "restart": None}
+    return [(r, message) for r in sorted(self._members)]
+
+
+def _trainer_nodes(joins: Mapping[int, Mapping[str, Any]]) -> list[int]:
+  """Nodes running training tasks: chief and, without ps, workers."""
+  servers = any(j["jobs"].get("ps") for j in joins.values())
+  return sorted(r for r, j in joins.items()
+                if j["jobs"].get("chief")
+                or (j["jobs"].get("worker") and not servers))
+
+
+class Solo:
+  """The rendezvous of one node: `Rounds` in this process, no network.
+
+  It has `Member`'s interface, so one supervision loop serves one node and
+  many.
+  """
+
+  def __init__(self, *, max_restarts: int):
+    self._rounds = Rounds(min_nodes=1, max_nodes=1, max_restarts=max_restarts,
+                          timeout=math.inf)
+    self._inbox: collections.deque = collections.deque()
+    self._joined = False
+
+  def join(self, *, attempt: int, host: str, jobs: Mapping[str, int],
+           evaluator: bool, ports: Sequence[int]) -> dict:
+    self.send({"kind": "join", "attempt": attempt, "host": host,
+               "jobs": dict(jobs), "evaluator": evaluator,
+               "ports": list(ports)})
+    message = self.poll()
+    if message is None or message["kind"] != "cluster":
+      raise RendezvousError((message or {}).get("why", "no cluster"),
+                            code=(message or {}).get("code", 1))
+    return message
+
+  def send(self, message: Mapping[str, Any]) -> None:
+    kind = message["kind"]
+    if kind == "join":
+      out = self._rounds.join(0, dict(message), first=not self._joined)
+      self._joined = True
+    elif kind == "failed":
+      out = self._rounds.failed(0, dict(message))
+    elif kind == "done":
+      out = self._rounds.done(0)
+    else:
+      out = []
+    self._inbox.extend(m for _, m in out)
+
+  def poll(self, timeout: float = 0.0) -> dict | None:
+    if self._inbox:
+      return self._inbox.popleft()
+    time.sleep(timeout)
+    return None
+
+  def close(self) -> None:
+    pass
