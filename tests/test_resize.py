@@ -1,4 +1,4 @@
-"""A backup written by N workers resumes on M workers, through every entry point.
+"""A backup written by N workers resumes on M workers, through each entry point.
 
 One chain of real clusters (tests/scripts/resize_job.py) on 1, 2, 3, 2 and
 then 1 worker: each run resumes the backups the run before stopped in and

@@ -1,12 +1,15 @@
 """Every backup entry point, stopped and resumed; run on any number of workers.
 
 Usage: resize_job.py ROOT [--stop K] [--stop-epoch E] [--per-replica-steps P]
+                       [--ps WORKERS PS] [--only ENTRY ...]
 
 One task per worker (TF_CONFIG; none for one process). The entry points run
 one after another in this process, each backing up to ROOT/<entry>:
 
 * ``fit_arrays``, ``fit_dataset``: ``tfdist.fit`` on arrays (shuffled with a
-  seed) and on a seeded ``tf.data`` dataset of global batches;
+  seed) and on a ``tf.data`` dataset of global batches (unshuffled: a
+  seeded shuffle under MultiWorkerMirroredStrategy gives another order than
+  in one process, so no single-process run could be the reference);
 * ``keras_tfdist``: plain ``model.fit`` with ``tfdist.BackupAndRestore``;
 * ``keras_own``: plain ``model.fit`` with Keras's own ``BackupAndRestore``,
   which resumes at epoch starts: it stops after epoch E;
@@ -14,6 +17,11 @@ one after another in this process, each backing up to ROOT/<entry>:
 * ``fit_per_replica``: ``tfdist.fit`` on a ``dataset_fn`` of per-replica
   batches of 4, so the global batch is 4 per worker (another global batch
   on another size); it stops after P steps of this run.
+
+With ``--ps`` the chief of a local ParameterServerStrategy cluster runs
+``ps_fit`` (``tfdist.fit``), ``ps_runner`` (``Runner``) and
+``ps_embedding`` (a ``Runner`` over an embedding table in one shard per ps
+task) instead.
 
 The others share global batch 12 and back up every step; they stop once
 step K is backed up (a `Stop` raised before step K + 1), or train to the end
