@@ -1,4 +1,4 @@
-"""A backup written by N workers resumes on M workers, through every entry point.
+"""A backup written by N workers resumes on M workers, through each entry point.
 
 One chain of real clusters (tests/scripts/resize_job.py) on 1, 2, 3, 2 and
 then 1 worker: each run resumes the backups the run before stopped in and
@@ -154,6 +154,48 @@ class ResizeTest(parameterized.TestCase):
     self.assertEqual([p for p in self.left if "/runner/" not in p],
                      ["backups", "backups/runner", "reference",
                       "reference/runner"])
+
+
+@pytest.mark.timeout(600)
+class ParameterServerResizeTest(absltest.TestCase):
+  """ParameterServerStrategy: 1 worker and 3 ps tasks, then 2 and 2.
+
+  ``ps_fit`` (tfdist.fit) and ``ps_runner`` train Keras models;
+  ``ps_embedding`` is a Runner over an embedding table that the variable
+  partitioner puts in one shard per ps task: 3 shards, restored onto 2.
+  """
+
+  ENTRIES = ("ps_fit", "ps_runner", "ps_embedding")
+  STOP = 3
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    with tempfile.TemporaryDirectory(prefix="tfdist-resize-ps-") as d:
+      backups = os.path.join(d, "backups")
+      cls.first, cls.second = (
+          cluster_utils.run_cluster(JOB, [None], args=args, timeout=300,
+                                    env={"TMPDIR": d})[0]
+          for args in ([backups, "--ps", "1", "3", "--stop", str(cls.STOP)],
+                       [backups, "--ps", "2", "2"]))
+    for r in (cls.first, cls.second):
+      assert r.returncode == 0, cluster_utils.tail(r.stderr)
+
+  def test_resumes_at_the_saved_step_with_the_saved_variables(self):
+    first, second = self.first.json(), self.second.json()
+    for entry in self.ENTRIES:
+      self.assertEqual(max(int(s) for s in first[entry]["weights"]),
+                       self.STOP, entry)
+      self.assertEqual(second[entry]["start"], self.STOP, entry)
+      _relative(self, second[entry]["weights"][str(self.STOP)],
+                first[entry]["weights"][str(self.STOP)], entry)
+      self.assertEqual(max(int(s) for s in second[entry]["weights"]), STEPS,
+                       entry)
+    self.assertEqual((first["ps_embedding"]["shards"],
+                      second["ps_embedding"]["shards"]), (3, 2))
+    self.assertIn("tfdist: resuming a backup of 1 worker (global batch 12) "
+                  "on 2 workers (global batch 12) at epoch 0, sample 36 of "
+                  f"{SAMPLES}\n", self.second.stderr)
 
 
 if __name__ == "__main__":

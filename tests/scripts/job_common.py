@@ -14,8 +14,9 @@ import numpy as np
 GLOBAL_BATCH = 8
 
 
-def local_ps_cluster(num_workers: int) -> dict:
-  """Starts ``num_workers`` worker servers and one ps server on localhost,
+def local_ps_cluster(num_workers: int, num_ps: int = 1) -> dict:
+  """Starts ``num_workers`` worker servers and ``num_ps`` ps servers on
+  localhost,
   each in a process of its own (`tfdist.serve`, with its own TF_CONFIG, as
   under tfdist launch); returns this process's config: the chief's.
 
@@ -27,9 +28,10 @@ def local_ps_cluster(num_workers: int) -> dict:
   """
   from tfdist import _net  # pylint: disable=g-import-not-at-top
   from tfdist.launch import local  # pylint: disable=g-import-not-at-top
-  ports = _net.free_ports(num_workers + 2)
-  jobs = {"chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],
-          "worker": [f"127.0.0.1:{p}" for p in ports[2:]]}
+  ports = _net.free_ports(num_workers + num_ps + 1)
+  jobs = {"chief": [f"127.0.0.1:{ports[0]}"],
+          "ps": [f"127.0.0.1:{p}" for p in ports[1:num_ps + 1]],
+          "worker": [f"127.0.0.1:{p}" for p in ports[num_ps + 1:]]}
   for job in ("worker", "ps"):
     for index in range(len(jobs[job])):
       config = {"cluster": jobs, "task": {"type": job, "index": index}}

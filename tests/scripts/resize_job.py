@@ -1,12 +1,15 @@
 """Every backup entry point, stopped and resumed; run on any number of workers.
 
 Usage: resize_job.py ROOT [--stop K] [--stop-epoch E] [--per-replica-steps P]
+                       [--ps WORKERS PS] [--only ENTRY ...]
 
 One task per worker (TF_CONFIG; none for one process). The entry points run
 one after another in this process, each backing up to ROOT/<entry>:
 
 * ``fit_arrays``, ``fit_dataset``: ``tfdist.fit`` on arrays (shuffled with a
-  seed) and on a seeded ``tf.data`` dataset of global batches;
+  seed) and on a ``tf.data`` dataset of global batches (unshuffled: a
+  seeded shuffle under MultiWorkerMirroredStrategy gives another order than
+  in one process, so no single-process run could be the reference);
 * ``keras_tfdist``: plain ``model.fit`` with ``tfdist.BackupAndRestore``;
 * ``keras_own``: plain ``model.fit`` with Keras's own ``BackupAndRestore``,
   which resumes at epoch starts: it stops after epoch E;
@@ -14,6 +17,11 @@ one after another in this process, each backing up to ROOT/<entry>:
 * ``fit_per_replica``: ``tfdist.fit`` on a ``dataset_fn`` of per-replica
   batches of 4, so the global batch is 4 per worker (another global batch
   on another size); it stops after P steps of this run.
+
+With ``--ps`` the chief of a local ParameterServerStrategy cluster runs
+``ps_fit`` (``tfdist.fit``), ``ps_runner`` (``Runner``) and
+``ps_embedding`` (a ``Runner`` over an embedding table in one shard per ps
+task) instead.
 
 The others share global batch 12 and back up every step; they stop once
 step K is backed up (a `Stop` raised before step K + 1), or train to the end
@@ -23,6 +31,7 @@ and ``start``, the iterations when training began.
 """
 
 import argparse
+import functools
 import json
 import os
 
@@ -35,12 +44,25 @@ parser.add_argument("--stop", type=int, default=None)
 parser.add_argument("--stop-epoch", type=int, default=None)
 parser.add_argument("--per-replica-steps", type=int, default=None)
 parser.add_argument("--only", nargs="*", help="these entry points alone")
+parser.add_argument("--ps", nargs=2, type=int, default=None,
+                    metavar=("WORKERS", "PS"),
+                    help="ParameterServerStrategy on a local cluster")
 args = parser.parse_args()
 
-strategy = tfdist.make_strategy("multi_worker_mirrored"
-                                if "TF_CONFIG" in os.environ else "default")
+if args.ps:
+  os.environ["TF_CONFIG"] = json.dumps(job_common.local_ps_cluster(*args.ps))
+  # Variables of 1 KiB and more in a shard per ps task: the embedding table
+  # of ps_embedding, not the Keras models (Keras 3 cannot train a
+  # ShardedVariable: its gradient asks the variable for a handle).
+  strategy = tfdist.make_strategy("parameter_server",
+                                  variable_partitioner="min_size",
+                                  min_shard_bytes=1024)
+else:
+  strategy = tfdist.make_strategy("multi_worker_mirrored"
+                                  if "TF_CONFIG" in os.environ else "default")
 
 import keras  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 G, N, EPOCHS = 12, 48, 5  # 4 steps per epoch, 20 in all.
@@ -115,17 +137,63 @@ def keras_own(stop):
                   directory("keras_own")), Record("keras_own", stop)])
 
 
-def runner(stop):
+def ps_fit(stop):
+  tfdist.fit(model(), job_common.dataset_fn(x, y, G), epochs=EPOCHS,
+             steps_per_epoch=N // G, verbose=0, backup_dir=directory("ps_fit"),
+             backup_every_steps=1, callbacks=[Record("ps_fit", stop)])
+
+
+def ps_embedding(stop):
+  """A Runner over an embedding table in one shard per ps task."""
+  ids = tf.range(N) % 512
+  with strategy.scope():
+    table = tf.Variable(tf.random.stateless_normal((512, 4), [1, 2]))
+    out_w = tf.Variable(tf.ones((4, 1)))
+  out = results.setdefault("ps_embedding", {"weights": {}, "start": None,
+                                            "shards": None})
+
+  def step(batch):
+    i, target = batch
+    with tf.GradientTape() as tape:
+      y = tf.nn.embedding_lookup(table, i) @ out_w
+      loss = tf.nn.compute_average_loss(tf.square(y[:, 0] - target[:, 0]),
+                                        global_batch_size=G)
+    shards = getattr(table, "variables", [table])
+    grads = tape.gradient(loss, [*shards, out_w])
+    for var, grad in zip([*shards, out_w], grads):
+      var.assign_sub(0.05 * tf.convert_to_tensor(grad))
+    return {"loss": loss}
+
+  def weights():
+    return np.concatenate([tf.convert_to_tensor(table).numpy().ravel(),
+                           out_w.numpy().ravel()]).tolist()
+
+  run = tfdist.Runner(
+      strategy=strategy, train_step=step,
+      train_data=lambda ctx: tf.data.Dataset.from_tensor_slices(
+          (ids, y)).repeat().batch(G),
+      checkpoint_items={"table": table, "out": out_w},
+      options=tfdist.RunnerOptions(checkpoint_dir=directory("ps_embedding"),
+                                   checkpoint_every=1, ps_synchronous=True))
+  out["start"], out["shards"] = run.step, len(getattr(table, "variables", ()))
+  out["weights"][run.step] = weights()
+  while run.step < (stop or EPOCHS * N // G):
+    run.train(run.step + 1)
+    out["weights"][run.step] = weights()
+  run.close()
+
+
+def runner(stop, entry="runner"):
   m = model()
-  out = results.setdefault("runner", {"weights": {}, "start": None})
+  out = results.setdefault(entry, {"weights": {}, "start": None})
   run = tfdist.Runner(
       strategy=strategy, train_data=job_common.dataset_fn(x, y, G),
       train_step=tfdist.supervised_step(
           m, m.optimizer, keras.losses.MeanSquaredError(reduction=None),
           global_batch_size=G),
       checkpoint_items={"model": m, "optimizer": m.optimizer},
-      options=tfdist.RunnerOptions(checkpoint_dir=directory("runner"),
-                                   checkpoint_every=1))
+      options=tfdist.RunnerOptions(checkpoint_dir=directory(entry),
+                                   checkpoint_every=1, ps_synchronous=True))
   out["start"] = run.step
   out["weights"][run.step] = job_common.weights(m)
   while run.step < (stop or EPOCHS * N // G):
@@ -149,9 +217,12 @@ def fit_per_replica(stop):
                                relative=True)])
 
 
-for entry in (fit_arrays, fit_dataset, keras_tfdist, keras_own, runner,
-              fit_per_replica):
-  if args.only and entry.__name__ not in args.only:
+entries = {"ps_fit": ps_fit, "ps_runner": functools.partial(
+    runner, entry="ps_runner"), "ps_embedding": ps_embedding} if args.ps else {
+        f.__name__: f for f in (fit_arrays, fit_dataset, keras_tfdist,
+                                keras_own, runner, fit_per_replica)}
+for name, entry in entries.items():
+  if args.only and name not in args.only:
     continue
   try:
     entry(args.stop)

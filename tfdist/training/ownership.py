@@ -8,9 +8,8 @@ it (job names and task counts; an evaluator is no part of training). A run
 that finds another model's record there, or files and no record, is refused
 with a `tfdist.ConfigError` before anything is read or written: two jobs
 given one directory would otherwise resume from each other's state or remove
-it. `release` removes only
-what tfdist wrote: checkpoint files, the state file and the record, and the
-directory itself when tfdist created it.
+it. `release` removes only what tfdist wrote: checkpoint files, the state
+file and the record, and the directory itself when tfdist created it.
 
 Runs of one model count as one job, on any cluster shape: a job restarted on
 more or fewer workers (or ps tasks) resumes from its backup, and the chief
