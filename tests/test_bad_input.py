@@ -371,7 +371,8 @@ def _argv(flags):
 
 _LAUNCH_FLAGS = ["--workers", "--ps", "--chief", "--evaluator", "--host",
                  "--port-base", "--log-dir", "--max-restarts",
-                 "--restart-delay-seconds", "--grace-seconds"]
+                 "--restart-delay-seconds", "--grace-seconds", "--nnodes",
+                 "--node-rank", "--last-call-seconds"]
 _SLURM_FLAGS = ["--preset", "--job-name", "--nodes", "--tasks-per-node",
                 "--gpus-per-node", "--cpus-per-task", "--time", "--partition",
                 "--roles", "--signal-seconds", "--requeue", "--no-requeue"]

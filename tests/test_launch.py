@@ -400,8 +400,10 @@ class LaunchBadInputTest(parameterized.TestCase):
       # Elastic node counts: torchrun's MIN:MAX spelling, checked up front.
       ("nnodes_min_above_max", ["--nnodes", "3:2"] + _NODE, "--nnodes: received '3:2'"),
       ("nnodes_zero_min", ["--nnodes", "0:2"] + _NODE, "--nnodes: received '0:2'"),
-      ("nnodes_no_max", ["--nnodes", "2:"] + _NODE, "--nnodes: received '2:'"),
-      ("nnodes_words", ["--nnodes", "a:b"] + _NODE, "--nnodes: received 'a:b'"),
+      ("nnodes_no_max", ["--nnodes", "2:"] + _NODE,
+       "invalid N or MIN:MAX value: '2:'"),
+      ("nnodes_words", ["--nnodes", "a:b"] + _NODE,
+       "invalid N or MIN:MAX value: 'a:b'"),
       ("node_rank_past_max", ["--nnodes", "1:2", "--node-rank", "2"] + _NODE,
        "--node-rank: received 2"),
       ("min_node_0_cannot_serve", ["--nnodes", "1:3", "--workers", "0",

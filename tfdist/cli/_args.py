@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
-from typing import Any, Collection, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterator, Mapping
 
 from tfdist.errors import ConfigError
 
 __all__ = ["FlagTable", "add_flags", "given", "spellings", "add_command",
-           "command", "config_errors"]
+           "command", "config_errors", "matching"]
 
 #: Config field -> (flag, keyword arguments of ``add_argument``).
 FlagTable = Mapping[str, tuple[str, Mapping[str, Any]]]
@@ -41,6 +41,19 @@ def add_flags(parser: argparse.ArgumentParser, flags: FlagTable, *,
     if options.get("help") and default not in (None, False):
       options["help"] += f" (default {default})"
     parser.add_argument(flag, dest=field, default=argparse.SUPPRESS, **options)
+
+
+def matching(pattern: str, name: str) -> Callable[[str], str]:
+  """An argparse ``type`` taking text that matches ``pattern`` whole, named
+  ``name`` in its errors (and so in a config file's)."""
+  compiled = re.compile(pattern)
+
+  def check(text: str) -> str:
+    if not compiled.fullmatch(text):
+      raise ValueError(text)
+    return text
+  check.__name__ = name
+  return check
 
 
 def given(args: argparse.Namespace, flags: FlagTable) -> dict[str, Any]:

@@ -50,6 +50,7 @@ _FLAGS: _args.FlagTable = {
         type=float, metavar="S",
         help="time a task gets to exit after SIGTERM")),
     "nnodes": ("--nnodes", dict(
+        type=_args.matching(r"\d+(:\d+)?", "N or MIN:MAX"),
         metavar="N|MIN:MAX",
         help="nodes of the job: run tfdist launch on each, with the same "
              "--nnodes, --master-addr and --master-port; --workers, --ps, "

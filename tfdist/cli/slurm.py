@@ -22,7 +22,9 @@ _EXAMPLE = "tfdist slurm --nodes 2 -- python train.py"
 # SbatchSpec's fields are spelt like their flags, so errors name the field.
 _FLAGS: _args.FlagTable = {
     "job_name": ("--job-name", {}),
-    "nodes": ("--nodes", dict(help="N, or MIN-MAX: whatever SLURM grants "
+    "nodes": ("--nodes", dict(type=_args.matching(r"\d+(-\d+)?",
+                                                  "N or MIN-MAX"),
+                              help="N, or MIN-MAX: whatever SLURM grants "
                                    "(a requeue resumes at that size)")),
     "tasks_per_node": ("--tasks-per-node", dict(type=int)),
     "gpus_per_node": ("--gpus-per-node", dict(type=int)),

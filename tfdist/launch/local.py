@@ -132,7 +132,8 @@ class Launcher:
                 f"interface (0.0.0.0), not only on {spec.address}: host "
                 "only sets the addresses in TF_CONFIG", file=sys.stderr,
                 flush=True)
-        member, host = rounds.Solo(max_restarts=spec.max_restarts), None
+        member = rounds.Solo(max_restarts=spec.max_restarts)
+        host = spec.address
       else:
         if spec.node_rank == 0:
           master = self._master(prepared.secret.encode())
@@ -142,7 +143,6 @@ class Launcher:
             timeout=spec.rendezvous_timeout_seconds, stop=self._stopping,
             say=self._console.say)
         host = spec.host or member.local_address
-      host = host or spec.address
       make_dirs(spec.log_dir)
       attempt, delay = 0, 0.0
       while True:
