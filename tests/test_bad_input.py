@@ -297,6 +297,21 @@ class CliTest(parameterized.TestCase):
        "--output"),
       ("bench_plot_in_missing_dir", ["bench", "--quick", "--plot",
                                      "/nonexistent/x.png"], None, "--plot"),
+      ("bench_plot_not_an_image", ["bench", "--quick", "--plot", "out.txt"],
+       None, "--plot: received 'out.txt'; expected a file name ending in "
+       ".png, "),
+      ("bench_plot_without_extension", ["bench", "--plot", "out"], None,
+       "--plot"),
+      ("bench_json_not_json", ["bench", "--quick", "--json", "out.txt"], None,
+       "--json: received 'out.txt'; expected a file name ending in .json"),
+      ("bench_project_plot_not_an_image", ["bench", "--project", "--plot",
+                                           "out.txt"], None, "--plot"),
+      ("bench_project_and_quick", ["bench", "--project", "--quick"], None,
+       "--project: received '--project --quick'; expected --project without "
+       "--quick"),
+      ("bench_quick_project_across_hosts",
+       ["bench", "--quick", "--project", "--across-hosts"], None,
+       "expected --project without --quick or --across-hosts"),
       # The absl example scripts (tfdist.flags.run) answer the same way.
       ("example_misspelt_strategy", [_example("keras_fit.py"),
                                      "--strategy=mirorred"], None,

@@ -19,7 +19,9 @@ from absl.testing import parameterized
 import cluster_utils
 from tfdist.bench import allreduce
 from tfdist.bench import report as report_lib
+from tfdist.bench import runner
 from tfdist.bench import scaling
+from tfdist.errors import ConfigError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -207,6 +209,40 @@ class ReportTest(parameterized.TestCase):
   )
   def test_worker_counts_follow_cores(self, cores, counts):
     self.assertEqual(scaling.worker_counts(cores), counts)
+
+
+class CheckOutputsTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("png", {"plot_path": "p.png"}), ("pdf", {"plot_path": "p.pdf"}),
+      ("svg_upper_case", {"plot_path": "p.SVG"}),
+      ("json", {"json_path": "r.json", "plot_path": "p.png"}),
+      ("nothing", {}))
+  def test_accepted(self, paths):
+    with tempfile.TemporaryDirectory() as d:
+      runner.check_outputs(**{k: os.path.join(d, v)
+                              for k, v in paths.items()})
+      self.assertEqual(os.listdir(d), [])
+
+  @parameterized.named_parameters(
+      ("plot_text", "plot_path", "p.txt", "ending in .png, "),
+      ("plot_no_extension", "plot_path", "p", "ending in .png, "),
+      ("json_text", "json_path", "r.txt", "ending in .json"),
+      ("json_a_directory", "json_path", "d.json", "existing directory"),
+      ("plot_in_a_missing_directory", "plot_path", "no/p.png",
+       "existing directory"))
+  def test_refused_before_measuring(self, field, name, expected):
+    with tempfile.TemporaryDirectory() as d:
+      os.mkdir(os.path.join(d, "d.json"))
+      with self.assertRaises(ConfigError) as e:
+        runner.check_outputs(**{field: os.path.join(d, name)})
+    self.assertEqual(e.exception.field, field)
+    self.assertIn(expected, e.exception.expected)
+
+  def test_across_hosts_checks_only_the_extension(self):
+    runner.check_outputs(plot_path="/on/the/chief/p.png", local=False)
+    with self.assertRaises(ConfigError):
+      runner.check_outputs(plot_path="/on/the/chief/p.txt", local=False)
 
 
 class BenchCliTest(absltest.TestCase):

@@ -86,17 +86,29 @@ class InfoTest(parameterized.TestCase):
     self.assertEqual(r.returncode, 0, r.stderr)
     self.assertIn(f"gradients: {transport} transport ({why}", r.stdout)
 
-  def test_unknown_transport_variable_is_a_one_line_error(self):
-    p0, p1 = cluster_utils.free_ports(2)
-    config = json.loads(json.dumps(TWO_WORKERS).replace("{p0}", str(p0))
-                        .replace("{p1}", str(p1)))
-    r = _tfdist("info", env={"TF_CONFIG": json.dumps(config),
-                             "TFDIST_TRANSPORT": "tcp"})
-    self.assertEqual(r.returncode, 2, r.stderr)
-    self.assertEqual(
-        r.stderr.strip().splitlines()[-1],
-        "tfdist: TFDIST_TRANSPORT: received 'tcp'; expected one of ['auto', "
-        "'collective', 'socket'] (the TFDIST_TRANSPORT environment variable)")
+  @parameterized.named_parameters(
+      ("transport_one_process", False, "TFDIST_TRANSPORT", "tcp",
+       "expected one of ['auto', 'collective', 'socket']"),
+      ("transport_two_workers", True, "TFDIST_TRANSPORT", "tcp",
+       "expected one of ['auto', 'collective', 'socket']"),
+      ("ring_ports_one_process", False, "TFDIST_RING_PORTS", "70000",
+       "expected a port or a range FIRST-LAST within 1-65535"),
+  )
+  def test_a_bad_transport_variable_fails_the_check(self, cluster, variable,
+                                                    value, expected):
+    env = {variable: value}
+    if cluster:
+      p0, p1 = cluster_utils.free_ports(2)
+      env["TF_CONFIG"] = json.dumps(TWO_WORKERS).replace(
+          "{p0}", str(p0)).replace("{p1}", str(p1))
+    r = _tfdist("info", env=env)
+    self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+    failed = [l for l in r.stdout.splitlines() if "[FAIL]" in l]
+    self.assertEqual(failed, [f"check:    [FAIL] {variable}: received "
+                              f"{value!r}; {expected}" + (
+                                  ", e.g. 20000-20100" if "PORTS" in variable
+                                  else "")])
+    self.assertNotIn("gradients:", r.stdout)  # Nothing to say until fixed.
 
   def test_port_taken_fails_the_check(self):
     with socket.socket() as s:

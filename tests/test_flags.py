@@ -174,6 +174,43 @@ class StrategyConfigTest(parameterized.TestCase):
     self.assertEqual(sorted(info.cluster), ["chief", "ps", "worker"])
 
 
+class IgnoredFlagsTest(parameterized.TestCase):
+  """What Model Garden's get_distribution_strategy ignores is ignored, with
+  one note line each; its defaults say nothing."""
+
+  @parameterized.named_parameters(
+      ("model_garden_defaults", ["--strategy=mirrored", "--num_packs=1",
+                                 "--tpu=", "--task_index=-1", "--dtype=fp32"],
+       "mirrored", {}, []),
+      ("empty_tpu_is_the_local_tpu", ["--strategy=tpu", "--tpu="], "tpu",
+       {"tpu": "local"}, []),
+      ("packs_without_packing_alg", ["--strategy=mirrored", "--num_packs=2"],
+       "mirrored", {}, ["--num_packs=2 is ignored by --strategy=mirrored"]),
+      ("packs_with_mwms", ["--strategy=multi_worker_mirrored",
+                           "--all_reduce_alg=ring", "--num_packs=2"],
+       "multi_worker_mirrored", {"implementation": "ring"},
+       ["--num_packs=2 is ignored by --strategy=multi_worker_mirrored"]),
+      ("alg_with_one_device", ["--strategy=one_device",
+                               "--all_reduce_alg=nccl"], "one_device", {},
+       ["--all_reduce_alg=nccl is ignored by --strategy=one_device"]),
+      ("tpu_with_mirrored", ["--strategy=mirrored", "--tpu=local"],
+       "mirrored", {}, ["--tpu='local' is ignored by --strategy=mirrored"]),
+      ("gpus_with_mwms", ["--strategy=multi_worker_mirrored", "--num_gpus=2"],
+       "multi_worker_mirrored", {},
+       ["--num_gpus=2 is ignored by --strategy=multi_worker_mirrored"]),
+      ("loss_scale_with_bf16", ["--dtype=bf16", "--loss_scale=128"], "auto",
+       {}, ["--loss_scale=128 is ignored by --strategy=auto (it applies to "
+            "fp16 only)"]),
+  )
+  def test_ignored(self, args, name, options, notes):
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+      config = tfdist_flags.strategy_config(_parsed(*args))
+    self.assertEqual((config.name, dict(config.options)), (name, options))
+    self.assertEqual(stderr.getvalue().splitlines(),
+                     [f"tfdist: note: {n}, as in Model Garden" for n in notes])
+
+
 class InvalidFlagsTest(parameterized.TestCase):
   """Combinations that cannot work fail at parse time, naming the flag."""
 
@@ -188,20 +225,12 @@ class InvalidFlagsTest(parameterized.TestCase):
       ("dtype_and_mixed_precision_disagree", ["--dtype=fp16",
                                                "--mixed_precision=bfloat16"],
        "--dtype=fp16 and --mixed_precision=bfloat16 disagree"),
-      ("loss_scale_without_fp16", ["--loss_scale=dynamic"], "--loss_scale"),
-      ("loss_scale_with_bf16", ["--dtype=bf16", "--loss_scale=128"],
-       "applies to fp16 only"),
       ("loss_scale_not_a_number", ["--dtype=fp16", "--loss_scale=big"],
        "'dynamic' or a positive number"),
       ("loss_scale_zero", ["--dtype=fp16", "--loss_scale=0"],
        "'dynamic' or a positive number"),
       ("num_packs_zero", ["--strategy=mirrored", "--all_reduce_alg=nccl",
                           "--num_packs=0"], "--num_packs"),
-      ("num_packs_without_packing_alg", ["--strategy=mirrored",
-                                         "--num_packs=2"], "--num_packs=2"),
-      ("num_packs_with_mwms", ["--strategy=multi_worker_mirrored",
-                               "--all_reduce_alg=ring", "--num_packs=2"],
-       "--num_packs=2"),
       ("tpu_zone_without_tpu", ["--strategy=tpu", "--tpu_zone=us-central1-b"],
        "--tpu_zone"),
       ("ring_with_mirrored", ["--strategy=mirrored", "--all_reduce_alg=ring"],
@@ -209,11 +238,8 @@ class InvalidFlagsTest(parameterized.TestCase):
       ("hierarchical_with_mwms", ["--strategy=multi_worker_mirrored",
                                   "--all_reduce_alg=hierarchical_copy"],
        "--all_reduce_alg"),
-      ("alg_with_one_device", ["--strategy=one_device",
-                               "--all_reduce_alg=nccl"], "--all_reduce_alg"),
       ("alg_unknown", ["--all_reduce_alg=butterfly"], "--all_reduce_alg"),
       ("tpu_malformed", ["--strategy=tpu", "--tpu=grpc://no port"], "--tpu"),
-      ("tpu_with_mirrored", ["--strategy=mirrored", "--tpu=local"], "--tpu"),
       ("task_index_without_hosts", ["--task_index=0"], "--task_index"),
       ("task_index_out_of_range", [f"--worker_hosts={_TWO_HOSTS}",
                                    "--task_index=2"], "--task_index"),
@@ -257,8 +283,6 @@ class InvalidFlagsTest(parameterized.TestCase):
     self.assertIn(flag, str(e.exception))
 
   @parameterized.named_parameters(
-      ("alg_takers", ["--strategy=one_device", "--all_reduce_alg=nccl"],
-       "it takes none (mirrored and multi_worker_mirrored do)"),
       ("alg_valid", ["--strategy=mirrored", "--all_reduce_alg=ring"],
        "it takes hierarchical_copy, nccl, reduction_to_one_device"),
       ("gpu_most", ["--strategy=off", "--num_gpus=2"],

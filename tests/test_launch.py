@@ -25,12 +25,34 @@ from tfdist import launch
 TASK = os.path.join(cluster_utils.SCRIPTS, "launch_task.py")
 LAUNCH = [sys.executable, "-m", "tfdist", "launch"]
 
+#: TensorFlow's start-up lines that TF_CPP_MIN_LOG_LEVEL does not silence.
+_TF_START_UP = ("oneDNN custom operations are on",
+                "All log messages before absl::InitializeLog()",
+                "Could not find cuda drivers", "failed call to cuInit")
+
 
 def _launch(*args, timeout=120, env=None):
   return subprocess.run(LAUNCH + list(args),
                         env=cluster_utils.base_env() if env is None else env,
                         capture_output=True, text=True, timeout=timeout,
                         cwd=cluster_utils.REPO)
+
+
+def _user_env():
+  """The tests' environment without TF_CPP_MIN_LOG_LEVEL, as a user has it."""
+  env = cluster_utils.base_env()
+  env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+  return env
+
+
+def _launch_as_a_user(mode):
+  """One worker of ``mode`` launched as a user does: the result and its
+  log file."""
+  with tempfile.TemporaryDirectory() as d:
+    r = _launch("--workers", "1", "--log-dir", d, "--", sys.executable, TASK,
+                mode, env=_user_env())
+    with open(os.path.join(d, "worker-0.log")) as f:
+      return r, f.read()
 
 
 def _pids(output):
@@ -162,21 +184,13 @@ class LaunchTest(parameterized.TestCase):
   def test_tensorflow_start_up_lines_stay_in_the_log_not_the_console(self):
     # keras_bar imports TensorFlow; what TF_CPP_MIN_LOG_LEVEL cannot silence
     # (written before TensorFlow's logging starts) stays out of the console.
-    env = cluster_utils.base_env()
-    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # As a user starts it.
-    with tempfile.TemporaryDirectory() as d:
-      r = _launch("--workers", "1", "--log-dir", d, "--", sys.executable,
-                  TASK, "keras_bar", env=env)
-      with open(os.path.join(d, "worker-0.log")) as f:
-        log = f.read()
+    r, log = _launch_as_a_user("keras_bar")
     self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
     console = r.stdout + r.stderr
     # Which of these TensorFlow prints depends on the processor (oneDNN's
     # notice is missing on some): the log keeps what it printed.
     self.assertIn("All log messages before absl::InitializeLog()", log)
-    for line in ("oneDNN custom operations are on",
-                 "All log messages before absl::InitializeLog()",
-                 "Could not find cuda drivers"):
+    for line in _TF_START_UP:
       if line in log:
         self.assertNotIn(line, console)
     self.assertIn("[worker:0] 4/4 ", console)
@@ -236,6 +250,15 @@ class LaunchTest(parameterized.TestCase):
     self.assertLen(pids, 3)
     for pid in pids:
       self.assertFalse(cluster_utils.alive(pid), f"task {pid} left behind")
+
+  def test_a_failure_tail_drops_what_the_live_stream_drops(self):
+    r, log = _launch_as_a_user("tf_fail")
+    self.assertEqual(r.returncode, 3, r.stdout + r.stderr)
+    tail = r.stdout.split("last lines of its output:", 1)[1]
+    self.assertIn("  | something broke", tail)
+    self.assertIn("All log messages before absl::InitializeLog()", log)
+    for line in _TF_START_UP:
+      self.assertNotIn(line, tail)
 
   @parameterized.named_parameters(
       ("sigterm", signal.SIGTERM, signal.SIGTERM),
@@ -452,6 +475,65 @@ class LaunchBadInputTest(parameterized.TestCase):
     self.assertTrue(lines[0].startswith("tfdist: "), lines[0])
     self.assertIn(needle, lines[0])
     self.assertNotIn("role=", r.stdout)  # Nothing started.
+
+
+class PreemptedLineTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("saved", ["WARNING:absl:tfdist: checkpoint saved at step 6; exiting "
+                 "with code 42"], "run it again",
+       "worker:0 was preempted and saved at step 6; run it again"),
+      ("last_save_counts", ["checkpoint saved at step 2",
+                            "checkpoint saved at step 4"], None,
+       "worker:0 was preempted and saved at step 4"),
+      ("nothing_saved", ["tfdist: SIGTERM during cluster start-up: nothing "
+                         "to save yet; exiting with code 42"], "run it again",
+       "worker:0 was preempted before it could save; run it again"),
+      ("silent", [], "run it again",
+       "worker:0 was preempted and saved; run it again"),
+  )
+  def test_the_line(self, tail, resume, line):
+    self.assertEqual(launch.output.preempted_line("worker:0", tail,
+                                                  resume=resume), line)
+
+
+@pytest.mark.timeout(360)
+class PreemptedTaskTest(absltest.TestCase):
+
+  def test_one_line_exit_42_and_the_same_command_resumes(self):
+    """A task SIGTERMed by itself (a cloud VM's preemption) saves and exits
+    42: the launcher says so in one line and exits 42; the same command
+    then resumes after the saved step."""
+    env = _user_env()
+    with tempfile.TemporaryDirectory() as d:
+      command = ["--workers", "1", "--log-dir", os.path.join(d, "logs"), "--",
+                 sys.executable, os.path.join(cluster_utils.SCRIPTS,
+                                              "fault_job.py"),
+                 "default", "fit", os.path.join(d, "b"), "--sleep", "0.2"]
+      with cluster_utils.Tasks(commands=[LAUNCH + command], envs=[env],
+                               cwd=cluster_utils.REPO,
+                               merge_stderr=True) as launcher:
+        launcher.wait_for(0, lambda l: l.strip() == "[worker:0] step 3", 240)
+        pid = int(next(l for l in launcher.lines(0)
+                       if l.startswith("[worker:0] pid ")).split()[-1])
+        os.kill(pid, signal.SIGTERM)  # The task alone, not the launcher.
+        code = launcher.wait(0, 120)
+        first = launcher.stdout(0)
+      self.assertEqual(code, tfdist.PREEMPTED_EXIT_CODE, first)
+      said = [l for l in first.splitlines() if l.startswith("tfdist: ")]
+      self.assertLen(said, 1, first)
+      self.assertRegex(said[0], r"^tfdist: worker:0 was preempted and saved "
+                       r"at step (\d+); run the same command to resume$")
+      step = int(re.search(r"at step (\d+)", said[0]).group(1))
+      self.assertNotIn("last lines of its output", first)
+      self.assertNotIn("All log messages before absl::InitializeLog()", first)
+      with open(os.path.join(d, "logs", "worker-0.log")) as f:
+        self.assertIn(f"checkpoint saved at step {step}", f.read())
+      again = _launch(*command[:-2], "--sleep", "0", env=env, timeout=240)
+    self.assertEqual(again.returncode, 0, again.stdout + again.stderr)
+    steps = [int(k) for k in re.findall(r"^\[worker:0\] step (\d+)$",
+                                        again.stdout, re.M)]
+    self.assertEqual(steps, list(range(step + 1, 19)), again.stdout)
 
 
 if __name__ == "__main__":

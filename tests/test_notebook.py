@@ -63,6 +63,35 @@ _INTERRUPTED = textwrap.dedent("""
 """)
 
 
+_PREEMPTED = textwrap.dedent("""
+    import json, tempfile, tfdist
+
+    def train(backup_dir):
+      import os, signal
+      import keras, numpy as np, tfdist
+      strategy = tfdist.make_strategy()
+      with strategy.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+
+      class Preempt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+          if batch == 2:  # As a cloud VM's preemption does.
+            os.kill(os.getpid(), signal.SIGTERM)
+
+      x = np.ones((64, 2), "float32")
+      tfdist.fit(model, x, x[:, :1], batch_size=8, epochs=2, verbose=0,
+                 callbacks=[Preempt()], backup_dir=backup_dir)
+
+    with tempfile.TemporaryDirectory() as d:
+      try:
+        tfdist.notebook_launcher(train, (d + "/b",), num_workers=1)
+      except tfdist.WorkerFailedError as e:
+        print("RESULT " + json.dumps({"role": e.role, "code": e.code,
+                                      "message": str(e)}))
+""")
+
+
 def _driver(code):
   return cluster_utils.Tasks(commands=[[sys.executable, "-c", code]],
                              envs=[cluster_utils.base_env()],
@@ -72,23 +101,31 @@ def _driver(code):
 @pytest.mark.timeout(240)
 class NotebookLauncherTest(absltest.TestCase):
 
-  def test_returns_the_chiefs_value_after_a_real_all_reduce(self):
-    with _driver(_ALLREDUCE) as tasks:
-      code = tasks.wait(0, 180)
+  def _run(self, code, timeout):
+    """The driver's output and the JSON object it printed after RESULT."""
+    with _driver(code) as tasks:
+      exit_code = tasks.wait(0, timeout)
       out = tasks.stdout(0)
-    self.assertEqual(code, 0, out)
-    result = json.loads(re.search(r"RESULT (\{.*\})", out).group(1))
+    self.assertEqual(exit_code, 0, out)
+    return out, json.loads(re.search(r"RESULT (\{.*\})", out).group(1))
+
+  def test_returns_the_chiefs_value_after_a_real_all_reduce(self):
+    out, result = self._run(_ALLREDUCE, 180)
     self.assertEqual(result, {"sum": 30.0, "task": 0})
     self.assertIn("[worker:1] task 1 done", out)  # Streamed with its role.
 
   def test_a_worker_that_raises_is_named_with_its_traceback(self):
-    with _driver(_RAISES) as tasks:
-      code = tasks.wait(0, 120)
-      out = tasks.stdout(0)
-    self.assertEqual(code, 0, out)
-    result = json.loads(re.search(r"RESULT (\{.*\})", out).group(1))
+    out, result = self._run(_RAISES, 120)
     self.assertEqual((result["role"], result["code"]), ("worker:1", 1))
     self.assertIn("ValueError: bad batch on worker 1", result["trace"])
+
+  def test_a_preempted_worker_says_where_it_saved(self):
+    out, result = self._run(_PREEMPTED, 180)
+    self.assertEqual((result["role"], result["code"]), ("worker:0", 42))
+    self.assertRegex(result["message"],
+                     r"^worker:0 was preempted and saved at step \d+; call "
+                     "notebook_launcher again to resume$")
+    self.assertIn("tfdist: worker:0 was preempted and saved at step ", out)
 
   def test_interrupting_the_cell_stops_every_worker(self):
     with _driver(_INTERRUPTED) as tasks:

@@ -445,6 +445,8 @@ class SlurmPreemptionTest(parameterized.TestCase):
                      text)
     self.assertIn("set-up ran", text)
     self.assertIn("tfdist: not requeueing: 0 requeue(s) done (the cap)", text)
+    self.assertIn("tfdist: the tasks were preempted and saved; submit the "
+                  "same script again to resume", text)
     self.assertNotIn("tfdist: requeueing", text)
     self.assert_nothing_left(job, directory)
 
@@ -515,6 +517,9 @@ class SlurmPreemptionTest(parameterized.TestCase):
         "from the checkpoint when SLURM starts it again",
         f"tfdist: not requeueing job {job.id}: 1 requeue(s) done, the cap "
         f"({requeue.MAX_REQUEUES_VARIABLE}=1)"], text)
+    if srun:  # The rendered script says it; the plain one is the program.
+      self.assertIn("tfdist: the tasks were preempted and saved; submit the "
+                    "same script again to resume", text)
     self.assert_nothing_left(job, directory)
 
 

@@ -10,6 +10,7 @@ tests/test_ring.py.
 import json
 import os
 import sys
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -141,6 +142,37 @@ class AutoRuleTest(parameterized.TestCase):
         r"environment variable\)"):
       transport_lib.choose(tfdist.make_strategy("default"), "auto",
                            environ={"TFDIST_TRANSPORT": "tcp"})
+
+  @parameterized.named_parameters(
+      ("transport", {"TFDIST_TRANSPORT": "tcp"}, "TFDIST_TRANSPORT",
+       "one of ['auto', 'collective', 'socket']"),
+      ("ring_ports", {"TFDIST_RING_PORTS": "9-1"}, "TFDIST_RING_PORTS",
+       "a port or a range FIRST-LAST within 1-65535, e.g. 20000-20100"),
+  )
+  def test_every_strategy_refuses_a_bad_variable(self, env, variable,
+                                                 expected):
+    """A single process reads neither, yet a bad value is a mistake."""
+    self.assertEqual(list(transport_lib.environment_problems(env)),
+                     [variable])
+    for name in ("default", "mirrored"):
+      with mock.patch.dict(os.environ, env), self.assertRaises(
+          tfdist.ConfigError) as e:
+        tfdist.make_strategy(name)
+      self.assertEqual((e.exception.field, e.exception.value,
+                        e.exception.expected),
+                       (variable, env[variable], expected))
+      self.assertEqual(e.exception.source,
+                       f"the {variable} environment variable")
+
+  def test_usable_variables_are_no_problem(self):
+    self.assertEqual(transport_lib.environment_problems(
+        {"TFDIST_TRANSPORT": "socket", "TFDIST_RING_PORTS": "20000-20100"}),
+                     {})
+    self.assertEqual(transport_lib.environment_problems({}), {})
+
+  def test_one_vocabulary_of_transport_names(self):
+    self.assertIs(transport_lib.TRANSPORTS,
+                  tfdist.strategy.options.GRADIENT_TRANSPORTS)
 
   def test_socket_for_a_strategy_it_cannot_serve_names_the_option(self):
     strategy = tfdist.make_strategy("mirrored", devices=DEVICES)

@@ -164,17 +164,21 @@ class WorkerFailedError(TfdistError, RuntimeError):
     role: the worker, e.g. ``"worker:1"``.
     code: its exit code (``128 + N`` when killed by signal N).
     remote_traceback: the worker's own traceback, when it raised.
+    summary: what happened, when not "exited with code N" (a preemption).
   """
 
-  def __init__(self, role: str, code: int, remote_traceback: str = ""):
+  def __init__(self, role: str, code: int, remote_traceback: str = "",
+               summary: str = ""):
     self.role, self.code, self.remote_traceback = role, code, remote_traceback
+    self.summary = summary
     super().__init__(
-        f"{role} exited with code {code}"
+        (summary or f"{role} exited with code {code}")
         + (f"; its traceback:\n{remote_traceback.rstrip()}"
            if remote_traceback else ""))
 
   def __reduce__(self):
-    return (WorkerFailedError, (self.role, self.code, self.remote_traceback))
+    return (WorkerFailedError,
+            (self.role, self.code, self.remote_traceback, self.summary))
 
 
 class CheckpointError(TfdistError, RuntimeError):

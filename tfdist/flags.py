@@ -4,7 +4,11 @@
 default) with validators, so a combination that cannot work fails at parse
 time with a message naming the flag; `strategy_from_flags` builds the
 strategy with `tfdist.make_strategy`. Nothing here writes ``os.environ`` or
-changes a flag's value. What each ``--strategy`` accepts is read from
+changes a flag's value. Every flag Model Garden defines is accepted at its
+default (``--num_packs=1``, ``--tpu=''``, ``--task_index=-1``,
+``--dtype=fp32``) with Model Garden's meaning; a value Model Garden's
+``get_distribution_strategy`` ignores is ignored too, said in one
+``tfdist: note:`` line on stderr. What each ``--strategy`` accepts is read from
 `tfdist.strategy.catalog`, the table the factory reads too.
 
 | flag                      | meaning                                            |
@@ -12,16 +16,16 @@ changes a flag's value. What each ``--strategy`` accepts is read from
 | ``--strategy``            | one of `STRATEGY_CHOICES`; ``off`` is ``default``  |
 | ``--distribution_strategy`` | alias of ``--strategy`` (Model Garden's name)    |
 | ``--num_gpus``            | GPUs for one_device (0-1), mirrored, central_storage; 0 or 1 with off; -1: all; ignored (with a note) by the multi-worker, parameter-server and TPU strategies, as in Model Garden |
-| ``--all_reduce_alg``      | mirrored: nccl, hierarchical_copy, reduction_to_one_device; multi_worker_mirrored: ring, nccl |
-| ``--tpu``                 | ``local``, a TPU name or ``grpc://host:port``      |
-| ``--tpu_zone``, ``--tpu_project`` | the Cloud zone and project of a named TPU |
-| ``--num_packs``           | gradient packs of mirrored's nccl and hierarchical_copy all-reduce |
+| ``--all_reduce_alg``      | mirrored: nccl, hierarchical_copy, reduction_to_one_device; multi_worker_mirrored: ring, nccl; ignored (with a note) by the others |
+| ``--tpu``                 | ``local`` (or ``''``), a TPU name or ``grpc://host:port``; ignored (with a note) by non-TPU strategies |
+| ``--tpu_zone``, ``--tpu_project`` | the Cloud zone and project of a named TPU; alias ``--tpu_gcp_project`` |
+| ``--num_packs``           | gradient packs of mirrored's nccl and hierarchical_copy all-reduce (1); ignored (with a note) elsewhere |
 | ``--worker_hosts``        | ``host:port,host:port``: an explicit cluster of workers |
-| ``--task_index``          | this process's index in ``--worker_hosts``         |
+| ``--task_index``          | this process's index in ``--worker_hosts``; -1: unset |
 | ``--slurm_roles``         | ``chief=1,ps=1,worker=2``: SLURM ranks' roles, in rank order |
 | ``--mixed_precision``     | none, float16, bfloat16: see `apply_mixed_precision` |
 | ``--dtype``               | Model Garden's name for it: fp32, fp16, bf16       |
-| ``--loss_scale``          | fp16 only: ``dynamic`` or a starting scale; see `TrainingOptions.loss_scale_optimizer` |
+| ``--loss_scale``          | fp16 only (ignored, with a note, otherwise): ``dynamic`` or a starting scale; see `TrainingOptions.loss_scale_optimizer` |
 | ``--jit_compile``         | XLA; alias ``--enable_xla``                        |
 | ``--steps_per_execution`` | steps per ``tf.function`` call                     |
 
@@ -53,7 +57,6 @@ import types
 from typing import Any, Callable, Mapping, Sequence
 
 from absl import flags
-from absl import logging
 
 from tfdist.cluster import tpu as tpu_lib
 from tfdist.cluster.slurm import parse_roles
@@ -207,15 +210,17 @@ def define_flags(flag_values: FlagValues = _FLAGS, *,
               for s in _ALL_REDUCE_SPECS) + ". Default: TensorFlow's choice.",
           flag_values=fv),
       tpu=flags.DEFINE_string(
-          "tpu", None, "TPU: 'local' on a TPU VM, a TPU name, or "
-          "grpc://host:port.", flag_values=fv),
+          "tpu", None, "TPU: 'local' (or '', as in Model Garden) on a TPU VM, "
+          "a TPU name, or grpc://host:port; ignored by non-TPU strategies.",
+          flag_values=fv),
       worker_hosts=flags.DEFINE_string(
           "worker_hosts", None, "Comma-separated host:port of every worker; "
           "an explicit cluster instead of TF_CONFIG or SLURM.",
           flag_values=fv),
       task_index=flags.DEFINE_integer(
           "task_index", None, "This worker's index in --worker_hosts "
-          "(0 when there is one host).", flag_values=fv),
+          "(0 when there is one host; -1, Model Garden's default: unset).",
+          flag_values=fv),
       slurm_roles=flags.DEFINE_string(
           "slurm_roles", None, "Roles of the srun step's ranks in rank order,"
           " e.g. chief=1,ps=1,worker=2. Default: every rank is a worker.",
@@ -239,13 +244,15 @@ def define_flags(flag_values: FlagValues = _FLAGS, *,
       "loss_scale", None, "fp16 only: 'dynamic' (Keras's default) or a "
       "positive starting loss scale.", flag_values=fv)
   flags.DEFINE_integer(
-      "num_packs", None, "Gradient packs of mirrored's nccl or "
-      "hierarchical_copy all-reduce.", lower_bound=1, flag_values=fv)
+      "num_packs", 1, "Gradient packs of mirrored's nccl or "
+      "hierarchical_copy all-reduce; ignored elsewhere, as in Model Garden.",
+      lower_bound=1, flag_values=fv)
   flags.DEFINE_string("tpu_zone", None, "The Cloud zone of a named --tpu.",
                       flag_values=fv)
   flags.DEFINE_string("tpu_project", None,
                       "The Cloud project of a named --tpu.", flag_values=fv)
   flags.DEFINE_alias("distribution_strategy", "strategy", flag_values=fv)
+  flags.DEFINE_alias("tpu_gcp_project", "tpu_project", flag_values=fv)
   flags.DEFINE_alias("enable_xla", "jit_compile", flag_values=fv)
   _register_validators(fv)
   return holders
@@ -279,7 +286,7 @@ def _check_worker_hosts(raw: str | None) -> bool:
 
 
 def _check_task_index(values: Mapping[str, Any]) -> bool:
-  raw, index = values["worker_hosts"], values["task_index"]
+  raw, index = values["worker_hosts"], _task_index(values["task_index"])
   if raw is None:
     if index is not None:
       raise flags.ValidationError(
@@ -298,8 +305,13 @@ def _check_task_index(values: Mapping[str, Any]) -> bool:
   return True
 
 
+def _task_index(index: int | None) -> int | None:
+  """``--task_index``, with Model Garden's -1 read as unset."""
+  return None if index == -1 else index
+
+
 def _check_tpu(raw: str | None) -> bool:
-  if raw is not None:
+  if raw:  # '' is Model Garden's "no TPU named".
     try:
       tpu_lib.normalize_tpu(raw, source="--tpu")
     except ConfigError as e:
@@ -349,25 +361,7 @@ def _check_precision(values: Mapping[str, Any]) -> bool:
     if not ok:
       raise flags.ValidationError(
           f"--loss_scale={scale!r}: expected 'dynamic' or a positive number")
-  if "float16" not in (policy, DTYPES.get(dtype)):
-    raise flags.ValidationError(
-        f"--loss_scale={scale} applies to fp16 only; add --dtype=fp16 (or "
-        "--mixed_precision=float16), or drop it")
-  return True
-
-
-def _check_num_packs(values: Mapping[str, Any]) -> bool:
-  packs, name = values["num_packs"], values["strategy"]
-  if packs is None:
-    return True
-  spec = catalog.lookup(name)
-  if spec.name != "mirrored" or values["all_reduce_alg"] not in (
-      "nccl", "hierarchical_copy"):
-    raise flags.ValidationError(
-        f"--num_packs={packs} applies to --strategy=mirrored with "
-        "--all_reduce_alg=nccl or hierarchical_copy, not --strategy="
-        f"{name} with --all_reduce_alg={values['all_reduce_alg']}")
-  return True
+  return True  # Without fp16 it is ignored, with a note (`_ignored`).
 
 
 def _check_tpu_place(values: Mapping[str, Any]) -> bool:
@@ -381,24 +375,18 @@ def _check_tpu_place(values: Mapping[str, Any]) -> bool:
 
 def _check_all_reduce_alg(values: Mapping[str, Any]) -> bool:
   spec, alg = catalog.lookup(values["strategy"]), values["all_reduce_alg"]
-  if alg is not None and alg not in spec.all_reduce:
-    valid = sorted(spec.all_reduce)
-    takers = " and ".join(s.name for s in _ALL_REDUCE_SPECS)
+  # A strategy that takes none ignores it, with a note (`_ignored`).
+  if alg is not None and spec.all_reduce and alg not in spec.all_reduce:
     raise flags.ValidationError(
         f"--all_reduce_alg={alg} does not apply to "
-        f"--strategy={values['strategy']}; "
-        + (f"it takes {', '.join(valid)}" if valid else
-           f"it takes none ({takers} do)"))
+        f"--strategy={values['strategy']}; it takes "
+        + ", ".join(sorted(spec.all_reduce)))
   return True
 
 
 def _check_strategy_tpu(values: Mapping[str, Any]) -> bool:
-  if values["tpu"] is None:
-    return True
-  if not catalog.lookup(values["strategy"]).tpu:
-    raise flags.ValidationError(
-        f"--tpu={values['tpu']!r} needs --strategy=tpu or auto, not "
-        f"{values['strategy']}")
+  if not values["tpu"] or not catalog.lookup(values["strategy"]).tpu:
+    return True  # Ignored by the others, with a note (`_ignored`).
   if values["worker_hosts"] is not None or values["slurm_roles"] is not None:
     raise flags.ValidationError(
         "--tpu names the whole cluster; drop --worker_hosts and "
@@ -463,7 +451,6 @@ def _register_validators(fv: FlagValues) -> None:
       (("strategy", "worker_hosts"), _check_strategy_hosts),
       (("strategy", "slurm_roles", "worker_hosts"), _check_roles),
       (("dtype", "mixed_precision", "loss_scale"), _check_precision),
-      (("strategy", "all_reduce_alg", "num_packs"), _check_num_packs),
       (("tpu", "tpu_zone", "tpu_project"), _check_tpu_place)):
     flags.register_multi_flags_validator(list(names), checker, flag_values=fv)
 
@@ -510,35 +497,61 @@ def run(main: Callable[[list[str]], Any]) -> None:
   app.run(guarded, flags_parser=parse_flags)
 
 
+def _ignored(fv: FlagValues, spec: catalog.StrategySpec) -> list[str]:
+  """The flags given a value that ``spec`` ignores, as Model Garden's
+  ``get_distribution_strategy`` does, each in one line."""
+  alg, packs, tpu = (fv["all_reduce_alg"].value, fv["num_packs"].value,
+                     fv["tpu"].value)
+  gpus, scale = fv["num_gpus"].value, fv["loss_scale"].value
+  precision = training_options(fv).mixed_precision
+  ignored = {
+      f"--num_gpus={gpus}": gpus not in (None, -1) and spec.gpus is None,
+      f"--all_reduce_alg={alg}": alg is not None and not spec.all_reduce,
+      f"--num_packs={packs}": packs != 1 and (
+          spec.name != "mirrored" or alg not in ("nccl", "hierarchical_copy")),
+      f"--tpu={tpu!r}": bool(tpu) and not spec.tpu,
+      f"--loss_scale={scale}": scale is not None and precision != "float16",
+  }
+  return [f"{flag} is ignored by --strategy={fv['strategy'].value}"
+          + (" (it applies to fp16 only)" if "loss_scale" in flag else "")
+          for flag, yes in ignored.items() if yes]
+
+
 def strategy_config(flag_values: FlagValues = _FLAGS) -> StrategyConfig:
-  """Maps the parsed flags to a `make_strategy` call, without building it."""
+  """Maps the parsed flags to a `make_strategy` call, without building it.
+
+  A flag the strategy ignores, as Model Garden's ``get_distribution_strategy``
+  does (``--num_packs`` without mirrored's nccl or hierarchical_copy, ``--tpu``
+  without a TPU strategy, ...), is said in one ``tfdist: note:`` line.
+  """
   fv = flag_values
   spec = catalog.lookup(fv["strategy"].value)
+  for line in _ignored(fv, spec):
+    print(f"tfdist: note: {line}, as in Model Garden", file=sys.stderr)
   options: dict[str, Any] = {}
   gpus = fv["num_gpus"].value
-  if gpus is not None and gpus != -1:  # -1: all, the default.
-    if spec.gpus is None:
-      logging.info("tfdist: --num_gpus=%d is ignored by --strategy=%s, which "
-                   "uses every device a task sees (as Model Garden does)",
-                   gpus, spec.name)
-    else:
-      options.update(spec.gpus.options(gpus))
-  if fv["num_packs"].value is not None:
-    options["num_packs"] = fv["num_packs"].value
-  if fv["all_reduce_alg"].value is not None:
-    field, value = spec.all_reduce[fv["all_reduce_alg"].value]
+  if gpus not in (None, -1) and spec.gpus is not None:  # -1: all.
+    options.update(spec.gpus.options(gpus))
+  alg = fv["all_reduce_alg"].value
+  if alg is not None and spec.all_reduce:
+    field, value = spec.all_reduce[alg]
     options[field] = value
+    if (spec.name == "mirrored" and alg in ("nccl", "hierarchical_copy")
+        and fv["num_packs"].value != 1):  # 1: the options' default.
+      options["num_packs"] = fv["num_packs"].value
   builder = spec.name
-  if fv["tpu"].value is not None:
+  tpu = fv["tpu"].value
+  if spec.tpu and (tpu or (tpu == "" and spec.name == "tpu")):
     builder = "tpu"  # --tpu with auto means a TPU.
-    options["tpu"] = fv["tpu"].value
+    options["tpu"] = tpu or "local"  # '': Model Garden's local TPU.
     for flag, field in (("tpu_zone", "zone"), ("tpu_project", "project")):
       if fv[flag].value is not None:
         options[field] = fv[flag].value
   cluster = None
   if fv["worker_hosts"].value is not None:
     hosts = _hosts(fv["worker_hosts"].value)
-    cluster = json.dumps(_worker_cluster(hosts, fv["task_index"].value or 0))
+    cluster = json.dumps(_worker_cluster(
+        hosts, _task_index(fv["task_index"].value) or 0))
   roles = fv["slurm_roles"].value
   return StrategyConfig(
       name=builder, options=types.MappingProxyType(options), cluster=cluster,

@@ -4,7 +4,8 @@ What a bug report needs, like ``accelerate env``: the system (OS, CPUs,
 CUDA and cuDNN as TensorFlow was built, GPUs and their driver), versions,
 devices, the resolved cluster, the strategy ``auto`` would build and why, and
 pre-flight checks (this task's port is free; an sbatch
-allocation that is not an srun step). The cluster is resolved before
+allocation that is not an srun step; ``TFDIST_TRANSPORT`` and
+``TFDIST_RING_PORTS`` hold usable values). The cluster is resolved before
 TensorFlow loads, so a bad configuration fails fast.
 
 Example:
@@ -60,8 +61,10 @@ def gather(*, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 
   devices = local_lib.local_devices()
   name, why = factory.choose_strategy(info, devices)
+  problems = transport_lib.environment_problems(environ)
   gradients = (None, None)
-  if name == "multi_worker_mirrored":  # Each worker's GPUs, else its CPU.
+  if (name == "multi_worker_mirrored"  # Each worker's GPUs, else its CPU.
+      and transport_lib.TRANSPORT_VARIABLE not in problems):
     gpus = devices.get("GPU", 0)
     gradients = transport_lib.plan(
         workers=max(info.num_workers, 1),
@@ -75,7 +78,10 @@ def gather(*, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
       python=platform.python_version(), system=_system(),
       keras_corrections={fix.name: list(keras_compat.changed_targets(fix))
                          for fix in keras_compat.FIXES},
-      checks=_checks(info, environ))
+      checks=_checks(info, environ) + [
+          dict(name=variable, ok=False,
+               detail=f"received {e.value!r}; expected {e.expected}")
+          for variable, e in problems.items()])
   return report
 
 

@@ -4,6 +4,8 @@ Prints its role and pid first. Modes:
   ok          exit 0
   fail1       worker 1 exits 3 after 2 s (the others have printed their line
               by then), others sleep (until stopped)
+  tf_fail     import TensorFlow (its start-up lines), print "something
+              broke" and exit 3
   die N       worker 1 kills itself with signal N after 2 s, others sleep
   serve       chief exits 0 after 2 s (the others have printed their line by
               then); ps and workers sleep (servers)
@@ -93,6 +95,10 @@ if mode == "fail1":
     print("something broke", flush=True)
     sys.exit(3)
   sleep_forever()
+if mode == "tf_fail":
+  import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+  print("something broke", flush=True)
+  sys.exit(3)
 if mode == "die":
   if role == "worker:1":
     time.sleep(2)

@@ -159,7 +159,11 @@ def run(config: BenchConfig, *, json_path: str | None = None,
 
   Returns:
     The report (see `tfdist.bench.report`), already validated.
+
+  Raises:
+    ConfigError: from `check_outputs`, before anything is measured.
   """
+  check_outputs(json_path=json_path, plot_path=plot_path)
   results: Results = {}
   for name, measure in _MEASUREMENTS.items():
     start = time.monotonic()
@@ -185,18 +189,41 @@ def run(config: BenchConfig, *, json_path: str | None = None,
 
 
 def check_outputs(*, json_path: str | None = None,
-                  plot_path: str | None = None) -> None:
+                  plot_path: str | None = None, local: bool = True) -> None:
   """Fails before the minutes of `run` if its report cannot be written.
 
+  Args:
+    json_path: the report's path: a ``.json`` file.
+    plot_path: the plot's path, in a format matplotlib writes (``.png``,
+      ``.pdf``, ``.svg``, ...), known by its extension.
+    local: whether the paths are this machine's to check: their directory
+      must exist and they must not be directories.
+
   Raises:
-    ConfigError: a path is not in an existing directory, or a plot is asked
-      for without matplotlib.
+    ConfigError: a path with the wrong extension, or (``local``) not a file
+      in an existing directory; a plot asked for without matplotlib.
   """
-  for field, path in (("json_path", json_path), ("plot_path", plot_path)):
-    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-      raise ConfigError(field=field, value=path, source=_SOURCE,
-                        expected="a file in an existing directory")
   if plot_path and importlib.util.find_spec("matplotlib") is None:
     raise ConfigError(field="plot_path", value=plot_path, source=_SOURCE,
                       expected="matplotlib installed",
                       hint="pip install 'tfdist[bench]'")
+  for field, path, formats in (("json_path", json_path, lambda: ["json"]),
+                               ("plot_path", plot_path, _plot_formats)):
+    if not path:
+      continue
+    if os.path.splitext(path)[1][1:].lower() not in formats():
+      raise ConfigError(
+          field=field, value=path, source=_SOURCE,
+          expected="a file name ending in " + ", ".join(
+              f".{f}" for f in formats()))
+    if local and (os.path.isdir(path) or not os.path.isdir(
+        os.path.dirname(os.path.abspath(path)))):
+      raise ConfigError(field=field, value=path, source=_SOURCE,
+                        expected="a file in an existing directory")
+
+
+def _plot_formats() -> list[str]:
+  """The file formats matplotlib writes, png first."""
+  from matplotlib import backend_bases  # pylint: disable=g-import-not-at-top
+  return sorted(backend_bases.FigureCanvasBase.get_supported_filetypes(),
+                key=lambda f: (f != "png", f))

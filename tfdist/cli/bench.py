@@ -7,6 +7,7 @@ import os
 import sys
 
 from tfdist.cli import _args
+from tfdist.errors import ConfigError
 
 __all__ = ["add_arguments", "run"]
 
@@ -20,6 +21,10 @@ _FLAGS: _args.FlagTable = {
         metavar="PATH.png",
         help="write throughput and bandwidth plots here")),
 }
+
+
+#: A flag -> the flags it cannot go with, and why.
+_ALONE = {"project": (("quick", "across_hosts"), "it measures nothing")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,33 +48,44 @@ def run(args: argparse.Namespace) -> int:
   """Runs the bench; prints the headline table.
 
   Raises:
-    ConfigError: a report or plot path cannot be written; checked before
-      anything is measured.
+    ConfigError: flags that cannot go together, or a report or plot path
+      that cannot be written; checked before anything is measured.
   """
+  # Imported here, not at the top: keeps `tfdist --help` fast.
+  from tfdist.bench import runner  # pylint: disable=g-import-not-at-top
   outputs = _args.given(args, _FLAGS)
+  with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS)):
+    _check_together(args)
+    # Across hosts, only the chief writes: it checks its directories below.
+    runner.check_outputs(**outputs, local=not args.across_hosts)
   if args.project:  # Arithmetic only: no TensorFlow.
     return _project(outputs)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  # Imported here, not at the top: keeps `tfdist --help` fast.
   from tfdist.bench import report  # pylint: disable=g-import-not-at-top
-  from tfdist.bench import runner  # pylint: disable=g-import-not-at-top
   if args.across_hosts:
     return _across_hosts(args, outputs)
-  with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS)):
-    runner.check_outputs(**outputs)
   found = runner.run(runner.QUICK if args.quick else runner.FULL, **outputs,
                      log=lambda s: print(s, file=sys.stderr, flush=True))
   print(report.format_table(found))
   return 0
 
 
+def _check_together(args: argparse.Namespace) -> None:
+  """Raises a `ConfigError` for flags given together that cannot be."""
+  for flag, (others, why) in _ALONE.items():
+    given = [o for o in others if getattr(args, o)]
+    if getattr(args, flag) and given:
+      spelt = [f"--{f.replace('_', '-')}" for f in (flag, *given)]
+      raise ConfigError(
+          field=spelt[0], value=" ".join(spelt), source=_SOURCE,
+          expected=f"{spelt[0]} without {' or '.join(spelt[1:])}: {why}",
+          hint=f"Drop {' and '.join(spelt[1:])}, or {spelt[0]}")
+
+
 def _project(outputs: dict) -> int:
   import json  # pylint: disable=g-import-not-at-top
   from tfdist.bench import plot  # pylint: disable=g-import-not-at-top
   from tfdist.bench import projection  # pylint: disable=g-import-not-at-top
-  from tfdist.bench import runner  # pylint: disable=g-import-not-at-top
-  with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS)):
-    runner.check_outputs(**outputs)
   table = projection.project()
   if outputs.get("json_path"):
     with open(outputs["json_path"], "w") as f:

@@ -4,7 +4,8 @@
 args)`` from ``PAYLOAD/call.pkl``, calls it, and on the chief (task index 0)
 writes the result to ``PAYLOAD/result.pkl`` (atomically). A raised exception
 is written, as its traceback, to ``PAYLOAD/error-TYPE-INDEX.txt``, and the
-worker exits 1.
+worker exits 1; a `tfdist.PreemptedError`, as its message, to
+``PAYLOAD/preempted-TYPE-INDEX.txt``, and the worker exits with its code.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 import sys
 import traceback
 
+from tfdist.errors import PreemptedError
+
 
 def main(payload: str) -> int:
   import cloudpickle  # pylint: disable=g-import-not-at-top
@@ -22,6 +25,11 @@ def main(payload: str) -> int:
     with open(os.path.join(payload, "call.pkl"), "rb") as f:
       function, args = cloudpickle.loads(f.read())
     result = function(*args)
+  except PreemptedError as e:
+    with open(os.path.join(payload, f"preempted-{task['type']}-"
+                           f"{task['index']}.txt"), "w") as f:
+      f.write(str(e))
+    raise
   except Exception:  # pylint: disable=broad-except
     path = os.path.join(payload, f"error-{task['type']}-{task['index']}.txt")
     with open(path, "w") as f:

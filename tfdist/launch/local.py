@@ -11,7 +11,8 @@ cluster comes from a rendezvous (`tfdist.launch.rendezvous`): on one node
 2. start the tasks, prefixing each line of output with the task's role
    (`tfdist.launch.output`);
 3. watch them and the rendezvous: a task that fails is reported (its exit
-   code and the tail of its output) and stops the round; ``finish`` (every
+   code and the tail of its output; a preempted one, exit 42, as the step it
+   saved at) and stops the round; ``finish`` (every
    training task done) gives the evaluator ``grace_seconds``, then stops the
    servers; ``stop`` ends the round, and the job unless it names the next
    round, which every node joins after ``restart_delay_seconds`` (doubling,
@@ -230,7 +231,9 @@ class Launcher:
           failed = True
           member.send({"kind": "failed", "role": t.role, "code": code,
                        "attempt": attempt})
-          self._console.failure(t.role, code, t.tail)
+          self._console.failure(
+              t.role, code, t.tail,
+              restarting=attempt < self._spec.max_restarts)
           self._stop_all()
           break
       if not failed and not done and trainers and all(
@@ -360,7 +363,8 @@ def launch(spec: LaunchSpec, *, out: TextIO | None = None) -> int:
 
   Returns:
     0 when the training tasks succeeded and the evaluator, if any, did not
-    fail; after the last restart, the failed task's exit code, ``128 + N``
+    fail; after the last restart, the failed task's exit code (42 for a
+    preempted task that saved: run the same command to resume), ``128 + N``
     when it was killed by signal N; ``128 + N`` when the launcher itself got
     signal N.
 

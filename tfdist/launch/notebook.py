@@ -14,7 +14,8 @@ own process, which can launch again.
 
 A worker that raises makes the call raise `tfdist.errors.WorkerFailedError`
 with the worker's role, exit code and traceback; the other workers are
-stopped. Interrupting the cell (the stop button sends SIGINT) stops every
+stopped. A preempted worker (it saved and exited 42) raises it too, saying
+the step it saved at and that calling again resumes. Interrupting the cell (the stop button sends SIGINT) stops every
 worker, and `KeyboardInterrupt` is raised; no process is left behind, and the
 temporary files are removed in every case.
 
@@ -41,8 +42,10 @@ import tempfile
 from typing import Any, Callable, Mapping, Sequence, TextIO
 
 from tfdist.errors import ConfigError
+from tfdist.errors import PREEMPTED_EXIT_CODE
 from tfdist.errors import WorkerFailedError
 from tfdist.launch import local
+from tfdist.launch import output
 from tfdist.launch import spec as spec_lib
 
 __all__ = ["notebook_launcher"]
@@ -76,7 +79,8 @@ def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (),
   Raises:
     ConfigError: ``function`` or ``args`` cannot be sent, or the launch
       spec is invalid; nothing was started.
-    WorkerFailedError: a worker failed; the others were stopped.
+    WorkerFailedError: a worker failed or was preempted (code 42); the
+      others were stopped.
     KeyboardInterrupt: the cell was interrupted; every worker was stopped.
   """
   import cloudpickle  # pylint: disable=g-import-not-at-top
@@ -107,14 +111,18 @@ def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (),
 
 
 def _failure(payload: str, code: int) -> WorkerFailedError:
-  """The error of the worker that failed first (by its traceback file)."""
+  """The error of the worker that failed first (by its traceback file, or
+  what it said when preempted)."""
+  kind = "preempted-" if code == PREEMPTED_EXIT_CODE else "error-"
   failed = sorted((os.path.getmtime(os.path.join(payload, name)), name)
-                  for name in os.listdir(payload)
-                  if name.startswith("error-"))
-  if not failed:
-    return WorkerFailedError("a worker", code)
-  name = failed[0][1]
-  with open(os.path.join(payload, name)) as f:
-    text = f.read()
-  return WorkerFailedError(name[len("error-"):-len(".txt")].replace("-", ":"),
-                           code, text)
+                  for name in os.listdir(payload) if name.startswith(kind))
+  text, role = "", "a worker"
+  if failed:
+    name = failed[0][1]
+    role = name[len(kind):-len(".txt")].replace("-", ":")
+    with open(os.path.join(payload, name)) as f:
+      text = f.read()
+  if code == PREEMPTED_EXIT_CODE:
+    return WorkerFailedError(role, code, summary=output.preempted_line(
+        role, [text], resume="call notebook_launcher again to resume"))
+  return WorkerFailedError(role, code, text)

@@ -16,7 +16,9 @@ import re
 import threading
 from typing import BinaryIO, Sequence, TextIO
 
-__all__ = ["Console", "TAIL_LINES"]
+from tfdist.errors import PREEMPTED_EXIT_CODE
+
+__all__ = ["Console", "TAIL_LINES", "preempted_line"]
 
 #: The lines of a failed task's output that the launcher repeats.
 TAIL_LINES = 20
@@ -29,6 +31,10 @@ _NOISE = re.compile(
     r"to STDERR|cudart_stub\.cc:\d+\] Could not find cuda drivers"
     r"|cuda_platform\.cc:\d+\] failed call to cuInit"
     r"|port\.cc:\d+\] oneDNN custom operations are on")
+#: What a task that stopped on a preemption signal printed last
+#: (`tfdist.training.preemption`, `tfdist.strategy.startup`).
+_SAVED = re.compile(r"checkpoint saved at step (\d+)")
+_NOTHING_SAVED = re.compile(r"nothing (?:saved|to save)")
 #: A terminal control sequence (colour, erase): kept for terminals only.
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
@@ -69,9 +75,15 @@ class Console:
       self._out.write(f"tfdist: {text}\n")
       self._out.flush()
 
-  def failure(self, role: str, code: int, tail: Sequence[str]) -> None:
+  def failure(self, role: str, code: int, tail: Sequence[str], *,
+              restarting: bool = False) -> None:
     """Says that task ``role`` ended with return code ``code``, and its
-    last lines."""
+    last lines; a preempted task (`PREEMPTED_EXIT_CODE`) in one line, with
+    how to resume unless the launcher is ``restarting``."""
+    if code == PREEMPTED_EXIT_CODE:
+      self.say(preempted_line(role, tail, resume=None if restarting else
+                              "run the same command to resume"))
+      return
     how = (f"was killed by signal {-code}" if code < 0
            else f"exited with code {code}")
     lines = [f"task {role} {how}; last lines of its output:"]
@@ -135,3 +147,24 @@ class Console:
     if self._tty and self._drawing is not None:
       self._out.write("\n")
       self._drawing = None
+
+
+def preempted_line(role: str, tail: Sequence[str], *,
+                   resume: str | None) -> str:
+  """One line for a task that exited `PREEMPTED_EXIT_CODE`, with the step
+  it saved at when its last lines (``tail``) say.
+
+  Example:
+    >>> preempted_line("worker:0", ["... checkpoint saved at step 6; ..."],
+    ...                resume="run the same command to resume")
+    'worker:0 was preempted and saved at step 6; run the same command to resume'
+  """
+  text = "\n".join(tail)
+  saved = _SAVED.findall(text)
+  if saved:
+    line = f"{role} was preempted and saved at step {saved[-1]}"
+  elif _NOTHING_SAVED.search(text):
+    line = f"{role} was preempted before it could save"
+  else:
+    line = f"{role} was preempted and saved"
+  return line + (f"; {resume}" if resume else "")

@@ -85,6 +85,9 @@ _MAX_PER_NODE = 2**16 - 3
 _MAX_MINUTES = 2**32 - 3  # The time limit, in minutes.
 #: Seconds the remaining PS tasks get after the first task (the chief) exits.
 _PS_WAIT_SECONDS = 60
+#: What the script says when srun exits 42 and the job is not requeued.
+_PREEMPTED = ("the tasks were preempted and saved; submit the same script "
+              "again to resume")
 #: Who runs ``scontrol requeue`` after the tasks saved (``requeue_from``).
 REQUEUE_FROM = ("script", "task")
 
@@ -608,11 +611,13 @@ def _run_lines(spec: SbatchSpec) -> list[str]:
       'while kill -0 "${srun_pid}" 2>/dev/null; do wait "${srun_pid}"; done',
       'wait "${srun_pid}"; status=$?',
   ]
+  resume = [f"  echo \"tfdist: {_PREEMPTED}\" >&2"]
   if spec.requeue_from == "task":
     return lines + [
         "# Nothing to requeue here: the chief task did, or said why not (SLURM "
         "ends a requeued",
         "# job's shell before this line).",
+        f"if (( status == {code} )); then", *resume, "fi",
         'exit "${status}"',
     ]
   lines += [
@@ -627,6 +632,8 @@ def _run_lines(spec: SbatchSpec) -> list[str]:
       "  fi",
       '  echo "tfdist: requeueing job ${job}" >&2',
       '  scontrol requeue "${job}"',
+      f"elif (( status == {code} )); then",
+      *resume,
       "elif (( requeue )); then",
       '  echo "tfdist: not requeueing: srun exited ${status}, not '
       f'{code} (preempted)" >&2',

@@ -144,9 +144,11 @@ def ring_ports(ports: str | None, *, source: str,
   Raises:
     ConfigError: a malformed range, or ports outside 1-65535.
   """
+  field = "ports"
   if ports is None:
     ports = (os.environ if environ is None else environ).get(
         RING_PORTS_VARIABLE)
+    field = RING_PORTS_VARIABLE
     source = f"the {RING_PORTS_VARIABLE} environment variable"
     if not ports:
       return None
@@ -155,7 +157,7 @@ def ring_ports(ports: str | None, *, source: str,
   first = int(match[1]) if match else 0
   last = int(match[2] or first) if match else 0
   if not 1 <= first <= last <= 65535:
-    raise ConfigError(field="ports", value=ports, source=source,
+    raise ConfigError(field=field, value=ports, source=source,
                       expected="a port or a range FIRST-LAST within 1-65535, "
                                "e.g. 20000-20100")
   return range(first, last + 1)

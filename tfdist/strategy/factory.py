@@ -293,8 +293,9 @@ def make_strategy(name: str = "auto", *,
     default strategy.
 
   Raises:
-    ConfigError: an unknown name or option, or a cluster that cannot serve
-      the strategy (e.g. ``parameter_server`` without ps tasks).
+    ConfigError: an unknown name or option, a cluster that cannot serve
+      the strategy (e.g. ``parameter_server`` without ps tasks), or an
+      unusable ``TFDIST_TRANSPORT`` or ``TFDIST_RING_PORTS``.
     TpuUnavailableError: ``tpu`` was asked for and no TPU answered.
 
   Example:
@@ -315,6 +316,9 @@ def make_strategy(name: str = "auto", *,
   if name not in STRATEGY_NAMES:
     raise ConfigError(field="strategy", value=name, source="make_strategy",
                       expected=f"one of {list(STRATEGY_NAMES)}")
+  problems = transport_lib.environment_problems()
+  if problems:  # Whatever the strategy: the user meant something by them.
+    raise next(iter(problems.values()))
   info = resolve_lib.resolve_cluster(cluster)
   if name == "auto":
     _check_options(name, options)

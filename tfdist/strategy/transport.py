@@ -99,17 +99,20 @@ from tfdist import _net
 from tfdist import ring as ring_lib
 from tfdist.errors import ConfigError
 from tfdist.errors import StartupTimeoutError
+from tfdist.ring import connection
 from tfdist.ring import exchange
 from tfdist.strategy import introspect
+from tfdist.strategy.options import GRADIENT_TRANSPORTS
 
 __all__ = ["TRANSPORTS", "TRANSPORT_VARIABLE", "Choice", "auto_rule",
            "choose", "plan", "agree", "record", "choice_of",
            "keras_all_reduce", "sum_pairs", "check_strategy", "peers",
            "CoordinationRendezvous", "ring_for", "socket_all_reduce",
-           "rings_of", "failure_of", "close_transports", "ALONE_BYTES"]
+           "rings_of", "failure_of", "close_transports", "ALONE_BYTES",
+           "environment_problems"]
 
 #: Every transport name `make_strategy` and `GradientOptions` accept.
-TRANSPORTS: tuple[str, ...] = ("auto", "collective", "socket")
+TRANSPORTS: tuple[str, ...] = GRADIENT_TRANSPORTS
 
 #: The environment variable that sets the transport where the option is
 #: ``auto`` (e.g. ``TFDIST_TRANSPORT=collective`` for a whole job).
@@ -249,6 +252,23 @@ def _requested(requested: str, environ: Mapping[str, str]) -> tuple[str, str]:
     raise ConfigError(field=TRANSPORT_VARIABLE, value=value, source=source,
                       expected=f"one of {list(TRANSPORTS)}")
   return value, source
+
+
+def environment_problems(environ: Mapping[str, str] | None = None
+                         ) -> dict[str, ConfigError]:
+  """`TRANSPORT_VARIABLE` and `connection.RING_PORTS_VARIABLE`, where set to a
+  value tfdist cannot use, to the `ConfigError` reading it raises."""
+  environ = os.environ if environ is None else environ
+  problems = {}
+  for name, read in (
+      (TRANSPORT_VARIABLE, lambda: _requested("auto", environ)),
+      (connection.RING_PORTS_VARIABLE,
+       lambda: connection.ring_ports(None, source="", environ=environ))):
+    try:
+      read()
+    except ConfigError as e:
+      problems[name] = e
+  return problems
 
 
 def agree(strategy, choice: Choice, *, timeout_s: float,
