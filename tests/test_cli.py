@@ -19,13 +19,24 @@ TWO_WORKERS = {"cluster": {"worker": ["127.0.0.1:{p0}", "127.0.0.1:{p1}"]},
                "task": {"type": "worker", "index": 1}}
 
 
-def _tfdist(*args, env=None, module=False, timeout=120):
-  command = ([sys.executable, "-m", "tfdist"] if module else
+def _tfdist(*args, env=None, module=False, timeout=120, prefix=()):
+  command = [*prefix] + ([sys.executable, "-m", "tfdist"] if module else
              [sys.executable, "-c",
               "from tfdist.cli import main; main.console_main()"])
   return subprocess.run(command + list(args), env=cluster_utils.base_env(env),
                         capture_output=True, text=True, timeout=timeout,
                         cwd=cluster_utils.REPO)
+
+
+def _addresses():
+  """This machine's IPv4 addresses but loopback and global IPv6 ones, as
+  ``ip`` lists them."""
+  found = set()
+  for args in (["-4", "addr"], ["-6", "addr", "show", "scope", "global"]):
+    out = subprocess.run(["ip", "-o", *args], capture_output=True, text=True,
+                         check=True, timeout=30).stdout
+    found |= {line.split()[3].split("/")[0] for line in out.splitlines()}
+  return sorted(a for a in found if not a.startswith("127."))
 
 
 class InfoTest(parameterized.TestCase):
@@ -67,6 +78,31 @@ class InfoTest(parameterized.TestCase):
     self.assertEqual(report["cluster"]["worker"][1], f"127.0.0.1:{p1}")
     port_check, = [c for c in report["checks"] if c["name"] == "port"]
     self.assertTrue(port_check["ok"])
+    # TensorFlow's server will listen on every address: said, as iproute2
+    # lists them (every machine here has one besides loopback).
+    addresses = _addresses()
+    self.assertNotEqual(addresses, [])
+    exposure, = [c for c in report["checks"] if c["name"] == "exposure"]
+    self.assertTrue(exposure["ok"])
+    self.assertIn(f"listens on port {p1} of every address here "
+                  f"({', '.join(addresses)}), whatever TF_CONFIG says",
+                  exposure["detail"])
+    self.assertIn("can run TensorFlow ops in the task", exposure["detail"])
+
+  def test_no_exposure_where_loopback_is_all_there_is(self):
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+      self.skipTest("needs root and unshare(1) for a network namespace of "
+                    "its own")
+    port, = cluster_utils.free_ports(1)
+    config = {"cluster": {"worker": [f"127.0.0.1:{port}"]},
+              "task": {"type": "worker", "index": 0}}
+    r = _tfdist("info", "--json", env={"TF_CONFIG": json.dumps(config)},
+                prefix=["unshare", "--net", "sh", "-c",
+                        'ip link set lo up && exec "$@"', "sh"])
+    self.assertEqual(r.returncode, 0, r.stderr)
+    names = [c["name"] for c in json.loads(r.stdout)["checks"]]
+    self.assertIn("port", names)
+    self.assertNotIn("exposure", names)
 
   @parameterized.named_parameters(
       ("job_secret_the_ring", {"TFDIST_JOB_SECRET": "s"}, "socket",

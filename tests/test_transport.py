@@ -7,6 +7,8 @@ dies. The ring itself, seam by seam and as rings of threads, is
 tests/test_ring.py.
 """
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -96,10 +98,26 @@ class OptionsTest(parameterized.TestCase):
 
   def test_one_replica_passes_gradients_through(self):
     strategy = tfdist.make_strategy("default")
-    plain = _fit(strategy, None)
-    socket_ = _fit(strategy, perf.GradientOptions(transport="socket"))
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+      plain = _fit(strategy, None)
+      socket_ = _fit(strategy, perf.GradientOptions(transport="socket"))
     for a, b in zip(plain, socket_):
       np.testing.assert_array_equal(a, b)
+    self.assertNotIn("tfdist: gradients cross", err.getvalue())  # None do.
+
+  def test_the_chief_says_what_carries_the_gradients_once(self):
+    strategy = tfdist.make_strategy("mirrored", devices=DEVICES)
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+      _fit(strategy, None)
+      _fit(strategy, None)
+    choice = tfdist.gradient_transport(strategy)
+    self.assertEqual(choice.transport, "collective")
+    self.assertEqual(
+        [line for line in err.getvalue().splitlines() if "cross" in line],
+        [f"tfdist: gradients cross by TensorFlow's collectives "
+         f"({choice.reason})"])
+    self.assertEqual(choice.reason, "MirroredStrategy: the ring serves "
+                     "MultiWorkerMirrored only")
 
 
 CPU = ["/job:worker/replica:0/task:0/device:CPU:0"]
@@ -182,7 +200,7 @@ class AutoRuleTest(parameterized.TestCase):
 
   def test_strategies_tfdist_did_not_build_keep_keras_code(self):
     strategy = tf.distribute.MirroredStrategy(DEVICES)
-    self.assertEqual(transport_lib.choice_of(strategy).transport,
+    self.assertEqual(transport_lib.gradient_transport(strategy).transport,
                      "collective")
     plain = _fit(strategy, None)
     forced = _fit(strategy, perf.GradientOptions(transport="collective"))
@@ -273,7 +291,19 @@ class ClusterTest(parameterized.TestCase):
       ("with_a_job_secret_the_ring", "s3cret", "socket"),
       ("without_one_tensorflow_collectives", "", "collective"))
   def test_training_by_default_forced_and_matching(self, secret, default):
-    _, outs = _cluster("default", env={"TFDIST_JOB_SECRET": secret})
+    results, outs = _cluster("default", env={"TFDIST_JOB_SECRET": secret})
+    # The chief says what carries the gradients, visibly, at the first step
+    # (the default's), and again when an optimizer forces the other one.
+    said = [line for line in results[0].stderr.splitlines()
+            if line.startswith("tfdist: gradients cross by ")]
+    self.assertLen(said, 2, results[0].stderr)
+    self.assertIn(
+        {"socket": "by the socket ring (auto: 2 CPU workers with a job "
+                   "secret", "collective": "by TensorFlow's collectives "
+                   "(auto: no job secret (TFDIST_JOB_SECRET)"}[default],
+        said[0])
+    self.assertIn("asked for by GradientOptions(transport=", said[1])
+    self.assertNotIn("tfdist: gradients cross", results[1].stderr)
     for out in outs:
       self.assertEqual(out["transport"], default, out["reason"])
       for how in ("keras_fit", "fit", "runner", "keras_fit_sparse"):

@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(_OPTION_CLASSES, "tfdist.strategy.options"),
     "serve": "tfdist.strategy.server",
     "is_chief": "tfdist.strategy.introspect",
+    "gradient_transport": "tfdist.strategy.transport",
     # Training: Keras fit, custom loops, checkpoints and preemption.
     "fit": "tfdist.training.fit",
     "BackupAndRestore": "tfdist.training.backup",

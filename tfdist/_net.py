@@ -216,6 +216,33 @@ def is_loopback(host: str) -> bool:
     return host == "localhost"
 
 
+def host_addresses() -> list[str]:
+  """This machine's addresses other than loopback and IPv6 link-local:
+  where a server listening on every interface can be reached from.
+
+  Read from Linux's ``/proc/net/fib_trie`` and ``/proc/net/if_inet6``;
+  elsewhere, what the host's name resolves to.
+  """
+  found: list[str] = []
+  try:
+    with open("/proc/net/fib_trie", encoding="ascii") as f:
+      last = None
+      for line in f:
+        parts = line.split()
+        if parts[:1] == ["|--"]:
+          last = parts[1]
+        elif parts[-2:] == ["host", "LOCAL"] and last:
+          found.append(last)
+    with open("/proc/net/if_inet6", encoding="ascii") as f:
+      for line in f:
+        address, _, _, scope, *_ = line.split()
+        if scope == "00":  # Global; 20 is link-local, 10 loopback.
+          found.append(str(ipaddress.IPv6Address(int(address, 16))))
+  except OSError:
+    found = list(lookup(socket.gethostname())[0])
+  return sorted({a for a in found if not is_loopback(a)})
+
+
 def is_local(host: str) -> bool:
   """Whether ``host`` names this machine.
 

@@ -3,7 +3,7 @@
 What a bug report needs, like ``accelerate env``: the system (OS, CPUs,
 CUDA and cuDNN as TensorFlow was built, GPUs and their driver), versions,
 devices, the resolved cluster, the strategy ``auto`` would build and why, and
-pre-flight checks (this task's port is free; an sbatch
+pre-flight checks (this task's port is free, and who can reach it; an sbatch
 allocation that is not an srun step; ``TFDIST_TRANSPORT`` and
 ``TFDIST_RING_PORTS`` hold usable values). The cluster is resolved before
 TensorFlow loads, so a bad configuration fails fast.
@@ -178,6 +178,15 @@ def _checks(info: ClusterInfo, environ) -> list[dict[str, Any]]:
           name="port", ok=problem is None,
           detail=(f"this task's address {info.address} is free" if problem is None
                   else f"this task's address {info.address} cannot be bound: {problem}")))
+      exposed = _net.host_addresses()
+      if exposed:  # Not a failure: a fact to act on (docs/multi_node.md).
+        checks.append(dict(name="exposure", ok=True, detail=(
+            f"TensorFlow's gRPC server of this task listens on port {port} of "
+            f"every address here ({', '.join(exposed)}), whatever TF_CONFIG "
+            "says, with no authentication: whoever reaches it can run "
+            "TensorFlow ops in the task, reading and writing files as this "
+            "user. Admit only the cluster's hosts to the task ports "
+            "(docs/multi_node.md, 'Firewalls and ports')")))
     else:
       checks.append(dict(name="port", ok=True,
                          detail=f"{info.address} is not on this host; not checked"))

@@ -206,7 +206,7 @@ def _runner(options):
 
 
 def default():
-  choice = transport.choice_of(strategy)
+  choice = transport.gradient_transport(strategy)
   out = {"transport": choice.transport, "reason": choice.reason}
   for name, run in (
       ("keras_fit", lambda o: _fitted(o, _keras_fit)),
@@ -284,7 +284,7 @@ def ring_reset_in_fit():
               shuffle=False, callbacks=[Reset()])
   except Exception as e:  # pylint: disable=broad-exception-caught
     return {**_error_report(e),
-            "choice": transport.choice_of(strategy).transport}
+            "choice": transport.gradient_transport(strategy).transport}
   return {"error": None}
 
 

@@ -166,10 +166,14 @@ def _all_reduce(grads_and_vars, codec: compression_lib.Compression,
   context = tf.distribute.get_replica_context()
   if context is None:  # Cross-replica context: nothing to reduce.
     return list(grads_and_vars)
-  transport = options.transport
-  if transport == "auto":
-    transport = transport_lib.choice_of(
-        tf.distribute.get_strategy()).transport
+  strategy = tf.distribute.get_strategy()
+  choice = transport_lib.gradient_transport(strategy)
+  if options.transport != "auto":
+    choice = transport_lib.Choice(
+        transport=options.transport,
+        reason=f"asked for by GradientOptions(transport={options.transport!r})")
+  transport_lib.announce(strategy, choice)
+  transport = choice.transport
 
   def reduce(grads):
     if transport == "socket":

@@ -127,7 +127,8 @@ _IMPLEMENTATIONS = {
 
 def _choose_transport(strategy: Strategy,
                       o: opts.MultiWorkerMirroredOptions) -> None:
-  """Records what carries ``strategy``'s gradients; the chief logs it."""
+  """Records what carries ``strategy``'s gradients (said at the first step:
+  `transport.announce`)."""
   choice = transport_lib.choose(
       strategy, o.transport,
       connect_timeout_s=o.startup_timeout_seconds or 300.0,
@@ -136,9 +137,6 @@ def _choose_transport(strategy: Strategy,
     transport_lib.agree(strategy, choice,
                         timeout_s=o.startup_timeout_seconds or 300.0)
   transport_lib.record(strategy, choice)
-  if introspect.is_chief(strategy):
-    logging.info("tfdist: gradients travel by the %s transport (%s)",
-                 choice.transport, choice.reason)
 
 
 def _build_multi_worker_mirrored(o: opts.MultiWorkerMirroredOptions,

@@ -105,7 +105,8 @@ from tfdist.strategy import introspect
 from tfdist.strategy.options import GRADIENT_TRANSPORTS
 
 __all__ = ["TRANSPORTS", "TRANSPORT_VARIABLE", "Choice", "auto_rule",
-           "choose", "plan", "agree", "record", "choice_of",
+           "choose", "plan", "agree", "record", "gradient_transport",
+           "announce",
            "keras_all_reduce", "sum_pairs", "check_strategy", "peers",
            "CoordinationRendezvous", "ring_for", "socket_all_reduce",
            "rings_of", "failure_of", "close_transports", "ALONE_BYTES",
@@ -129,6 +130,8 @@ _PACKED = (tf.float32, tf.float16, tf.bfloat16)
 
 _lock = threading.Lock()
 _chosen: "weakref.WeakKeyDictionary[Any, Choice]" = weakref.WeakKeyDictionary()
+_announced: "weakref.WeakKeyDictionary[Any, set]" = (
+    weakref.WeakKeyDictionary())
 _rings: dict[tuple, tuple[Any, ring_lib.SocketRing]] = {}
 _ring_count = 0
 _atexit_registered = False
@@ -140,7 +143,7 @@ class Choice:
 
   Attributes:
     transport: ``collective`` or ``socket``.
-    reason: why, in words (logged by the chief, shown by `choice_of`).
+    reason: why, in words (said by the chief at the first step, `announce`).
     connect_timeout_s: the ring's bound on connecting (``socket``).
     timeout_s: a ring peer silent this long is lost (``socket``).
   """
@@ -150,8 +153,6 @@ class Choice:
   timeout_s: float = 300.0
 
 
-_NOT_RECORDED = Choice(transport="collective",
-                       reason="a strategy tfdist.make_strategy did not build")
 
 
 def auto_rule(*, workers: int, local_devices: Sequence[str],
@@ -318,10 +319,54 @@ def record(strategy, choice: Choice) -> None:
     _chosen[strategy] = choice
 
 
-def choice_of(strategy) -> Choice:
-  """The `Choice` recorded for ``strategy`` (collective if none was)."""
+def gradient_transport(strategy: tf.distribute.Strategy) -> Choice:
+  """What carries ``strategy``'s gradients, and why.
+
+  The transport `tfdist.make_strategy` chose for the strategy, which every
+  Keras optimizer under it uses; one given `tfdist.perf.with_gradient_options`
+  may ask for another.
+
+  Args:
+    strategy: a strategy, usually from `tfdist.make_strategy`.
+
+  Returns:
+    Its `Choice`: ``transport`` is ``socket`` (tfdist's ring) or
+    ``collective`` (TensorFlow's, also for a strategy tfdist did not build),
+    ``reason`` says why.
+
+  Example:
+    >>> tfdist.gradient_transport(strategy).transport
+    'socket'
+  """
   with _lock:
-    return _chosen.get(strategy, _NOT_RECORDED)
+    choice = _chosen.get(strategy)
+  if choice is not None:
+    return choice
+  if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    return Choice(transport="collective",
+                  reason="a strategy tfdist.make_strategy did not build")
+  return Choice(transport="collective", reason=(
+      f"{type(strategy).__name__.lstrip('_')}: the ring serves "
+      "MultiWorkerMirrored only"))
+
+
+def announce(strategy, choice: Choice) -> None:
+  """Says on stderr, from ``strategy``'s chief, which transport carries its
+  gradients: as the first step is built, and again for an optimizer that
+  asks for the other one."""
+  with _lock:
+    said = _announced.setdefault(strategy, set())
+    if choice.transport in said or strategy.num_replicas_in_sync < 2:
+      return
+    said.add(choice.transport)
+  if not introspect.is_chief(strategy):
+    return
+  if choice.transport == "socket":
+    line = (f"gradients cross by the socket ring ({choice.reason}); "
+            f"{TRANSPORT_VARIABLE}=collective for TensorFlow's")
+  else:
+    line = f"gradients cross by TensorFlow's collectives ({choice.reason})"
+  print(f"tfdist: {line}", file=sys.stderr, flush=True)
 
 
 def sum_pairs(pairs: Sequence[tuple[Any, Any]],
@@ -353,7 +398,9 @@ def keras_all_reduce(grads_and_vars) -> list | None:
   context = tf.distribute.get_replica_context()
   if context is None:
     return None
-  choice = choice_of(tf.distribute.get_strategy())
+  strategy = tf.distribute.get_strategy()
+  choice = gradient_transport(strategy)
+  announce(strategy, choice)
   if choice.transport != "socket":
     return None
 
