@@ -98,6 +98,7 @@ class RoundsTest(parameterized.TestCase):
       # (event, restarts left, the next round, the nodes that join it)
       ("lost_node_restarts_with_the_rest", "lost", 2, 1, [0, 1]),
       ("failed_task_restarts_everyone", "failed", 2, 1, [0, 1, 2]),
+      ("preempted_task_restarts_everyone", "preempted", 2, 1, [0, 1, 2]),
       ("no_restart_left_stops_for_good", "lost", 0, None, []),
   )
   def test_a_running_round_ends_in_stop(self, event, restarts, restart,
@@ -107,7 +108,8 @@ class RoundsTest(parameterized.TestCase):
     if event == "lost":
       out = rounds.lost(2, "node 2 went away")
     else:
-      out = rounds.failed(2, {"attempt": 0, "role": "worker:2", "code": 3})
+      out = rounds.failed(2, {"attempt": 0, "role": "worker:2",
+                              "code": 42 if event == "preempted" else 3})
     self.assertEqual({m["kind"] for _, m in out}, {"stop"})
     self.assertEqual({m["restart"] for _, m in out}, {restart})
     self.assertEqual(rounds.over, restart is None)
@@ -117,8 +119,10 @@ class RoundsTest(parameterized.TestCase):
       cluster = dict(out)[0]
       self.assertEqual(cluster["nodes"], survivors)
       self.assertEqual(cluster["previous"], 3)
-      self.assertEqual(cluster["why"], "node 2 went away" if event == "lost"
-                       else "task worker:2 on node 2 failed")
+      self.assertEqual(cluster["why"], {
+          "lost": "node 2 went away",
+          "failed": "task worker:2 on node 2 failed",
+          "preempted": "task worker:2 on node 2 was preempted"}[event])
 
   def test_below_min_the_job_stops(self):
     rounds = self._rounds(2, 3)

@@ -112,9 +112,10 @@ class Launcher:
       no task is left running.
   """
 
-  def __init__(self, spec: LaunchSpec, *, out: TextIO | None = None):
+  def __init__(self, spec: LaunchSpec, *, out: TextIO | None = None,
+               resume: str = output.RESUME):
     self._spec = spec
-    self._console = output.Console(out or sys.stdout,
+    self._console = output.Console(out or sys.stdout, resume=resume,
                                    quiet="TF_CPP_MIN_LOG_LEVEL" not in {
                                        **os.environ, **spec.env})
     self._tasks: list[_Task] = []
@@ -351,7 +352,8 @@ class Launcher:
           t.log.close()
 
 
-def launch(spec: LaunchSpec, *, out: TextIO | None = None) -> int:
+def launch(spec: LaunchSpec, *, out: TextIO | None = None,
+           resume: str = output.RESUME) -> int:
   """Runs every task of ``spec``; returns the launcher's exit code.
 
   Call it from the main thread: it handles SIGINT, SIGTERM and SIGHUP, and
@@ -360,6 +362,7 @@ def launch(spec: LaunchSpec, *, out: TextIO | None = None) -> int:
   Args:
     spec: what to launch.
     out: where the tasks' prefixed output goes; ``sys.stdout`` by default.
+    resume: how to resume, said after a task was preempted and saved.
 
   Returns:
     0 when the training tasks succeeded and the evaluator, if any, did not
@@ -372,7 +375,7 @@ def launch(spec: LaunchSpec, *, out: TextIO | None = None) -> int:
     ConfigError: `preflight` failed, or the log directory or a task could
       not be created; no task is left running.
   """
-  return Launcher(spec, out=out).run()
+  return Launcher(spec, out=out, resume=resume).run()
 
 
 def _exit_code(code: int) -> int:

@@ -52,6 +52,7 @@ __all__ = ["notebook_launcher"]
 
 #: The worker's program: ``python -m`` this, with the payload directory.
 WORKER_MODULE = "tfdist.launch._notebook_worker"
+_RESUME = "call notebook_launcher again to resume"
 
 
 def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (),
@@ -99,7 +100,7 @@ def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (),
         command=(sys.executable, "-m", WORKER_MODULE, payload),
         num_workers=num_workers, env=dict(env or {}),
         grace_seconds=grace_seconds)
-    code = local.launch(spec, out=out)
+    code = local.launch(spec, out=out, resume=_RESUME)
     if code == 0:
       with open(os.path.join(payload, "result.pkl"), "rb") as f:
         return cloudpickle.loads(f.read())
@@ -124,5 +125,5 @@ def _failure(payload: str, code: int) -> WorkerFailedError:
       text = f.read()
   if code == PREEMPTED_EXIT_CODE:
     return WorkerFailedError(role, code, summary=output.preempted_line(
-        role, [text], resume="call notebook_launcher again to resume"))
+        role, [text], resume=_RESUME))
   return WorkerFailedError(role, code, text)

@@ -33,6 +33,8 @@ _NOISE = re.compile(
     r"|port\.cc:\d+\] oneDNN custom operations are on")
 #: What a task that stopped on a preemption signal printed last
 #: (`tfdist.training.preemption`, `tfdist.strategy.startup`).
+#: How to resume after a preemption, said by `tfdist launch`.
+RESUME = "run the same command to resume"
 _SAVED = re.compile(r"checkpoint saved at step (\d+)")
 _NOTHING_SAVED = re.compile(r"nothing (?:saved|to save)")
 #: A terminal control sequence (colour, erase): kept for terminals only.
@@ -45,11 +47,13 @@ class Console:
   Args:
     out: the stream everything is written to.
     quiet: drop TensorFlow's start-up noise (`_NOISE`).
+    resume: how to resume, said after a task was preempted and saved.
   """
 
-  def __init__(self, out: TextIO, *, quiet: bool = True):
+  def __init__(self, out: TextIO, *, quiet: bool = True, resume: str = RESUME):
     self._out = out
     self.quiet = quiet
+    self._resume = resume
     self._lock = threading.Lock()
     self._tty = hasattr(out, "isatty") and out.isatty()
     self._partial: dict[str, str] = {}  # Role -> its redrawn line's state.
@@ -81,8 +85,8 @@ class Console:
     last lines; a preempted task (`PREEMPTED_EXIT_CODE`) in one line, with
     how to resume unless the launcher is ``restarting``."""
     if code == PREEMPTED_EXIT_CODE:
-      self.say(preempted_line(role, tail, resume=None if restarting else
-                              "run the same command to resume"))
+      self.say(preempted_line(role, tail,
+                              resume=None if restarting else self._resume))
       return
     how = (f"was killed by signal {-code}" if code < 0
            else f"exited with code {code}")

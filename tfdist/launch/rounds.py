@@ -15,6 +15,7 @@ import math
 import time
 from typing import Any, Mapping, Sequence
 
+from tfdist.errors import PREEMPTED_EXIT_CODE
 from tfdist.errors import TfdistError
 
 __all__ = ["Rounds", "Solo", "RendezvousError", "layout_problem", "Outbox"]
@@ -144,8 +145,9 @@ class Rounds:
         or message.get("attempt") != self.attempt):
       return []  # Already stopping, or a failure from before a restart.
     where = f" on node {rank}" if self._max > 1 else ""
-    return self._stop(f"task {message.get('role')}{where} failed",
-                      code=message.get("code", 1))
+    code = message.get("code", 1)
+    what = "was preempted" if code == PREEMPTED_EXIT_CODE else "failed"
+    return self._stop(f"task {message.get('role')}{where} {what}", code=code)
 
   def done(self, rank: int) -> Outbox:
     """Node ``rank``'s training tasks finished."""
