@@ -61,6 +61,7 @@ _EXPORTS: dict[str, str] = {
     "PreemptedError": "tfdist.errors",
     "WorkerLostError": "tfdist.errors",
     "CheckpointError": "tfdist.errors",
+    "DiskFullError": "tfdist.errors",
     "WorkerFailedError": "tfdist.errors",
     "PREEMPTED_EXIT_CODE": "tfdist.errors",
     "PREEMPTION_SIGNALS": "tfdist.errors",

@@ -13,9 +13,9 @@ from typing import Any, Mapping
 
 __all__ = ["TfdistError", "ConfigError", "TpuUnavailableError",
            "StartupTimeoutError", "PreemptedError", "WorkerLostError",
-           "CheckpointError", "WorkerFailedError", "PREEMPTED_EXIT_CODE",
-           "PREEMPTION_SIGNALS", "INTERRUPTED_EXIT_CODE", "STOP_SIGNALS",
-           "exit_code_for"]
+           "CheckpointError", "DiskFullError", "WorkerFailedError",
+           "PREEMPTED_EXIT_CODE", "PREEMPTION_SIGNALS", "INTERRUPTED_EXIT_CODE",
+           "STOP_SIGNALS", "exit_code_for"]
 
 # The process contract: these signals in, this exit code out.
 
@@ -187,6 +187,46 @@ class CheckpointError(TfdistError, RuntimeError):
   Training never silently starts over when checkpoints exist but are
   unreadable: fix or remove the directory to start from scratch.
   """
+
+
+class DiskFullError(CheckpointError, SystemExit):
+  """A checkpoint save failed for lack of space or quota; nothing else broke.
+
+  Raised after the partial save was removed. Left uncaught it ends the
+  program with its one line, ``tfdist: ...``, on stderr and exit code 1
+  (it is a `SystemExit` whose code is that line), not a traceback.
+
+  Attributes:
+    directory: the directory the save was writing.
+    free: bytes free there after the partial save was removed.
+    last: the newest whole checkpoint, intact, or ``None`` when there is none.
+    reason: the system's words, e.g. ``"No space left on device"``.
+  """
+
+  def __init__(self, *, directory: str, free: int, last: str | None,
+               reason: str):
+    self.directory, self.free, self.last, self.reason = (directory, free,
+                                                         last, reason)
+    kept = (f"the last whole checkpoint, {last}, is intact: make room and "
+            "run the same command to resume from it" if last else
+            "no whole checkpoint is there yet: make room, or pass a "
+            "directory on a filesystem with more space")
+    message = (f"saving a checkpoint in {directory} failed: {reason} "
+               f"({free / 1e6:.1f} MB free there); {kept}")
+    SystemExit.__init__(self, f"tfdist: {message}")
+    self.args = (message,)
+
+  def __str__(self):
+    return self.args[0]
+
+  def __reduce__(self):
+    return (_rebuild_disk_full,
+            (self.directory, self.free, self.last, self.reason))
+
+
+def _rebuild_disk_full(directory, free, last, reason):
+  return DiskFullError(directory=directory, free=free, last=last,
+                       reason=reason)
 
 
 def _short(value: Any, limit: int = 200) -> str:

@@ -37,6 +37,8 @@ _NOISE = re.compile(
 RESUME = "run the same command to resume"
 _SAVED = re.compile(r"checkpoint saved at step (\d+)")
 _NOTHING_SAVED = re.compile(r"nothing (?:saved|to save)")
+#: How a task's own one-line error starts (e.g. `tfdist.DiskFullError`).
+_ONE_LINE = "tfdist: "
 #: A terminal control sequence (colour, erase): kept for terminals only.
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
@@ -82,14 +84,18 @@ class Console:
   def failure(self, role: str, code: int, tail: Sequence[str], *,
               restarting: bool = False) -> None:
     """Says that task ``role`` ended with return code ``code``, and its
-    last lines; a preempted task (`PREEMPTED_EXIT_CODE`) in one line, with
-    how to resume unless the launcher is ``restarting``."""
+    last lines; in one line a preempted task (`PREEMPTED_EXIT_CODE`), with
+    how to resume unless the launcher is ``restarting``, and a task whose
+    last line was its own ``tfdist: `` line (e.g. `tfdist.DiskFullError`)."""
     if code == PREEMPTED_EXIT_CODE:
       self.say(preempted_line(role, tail,
                               resume=None if restarting else self._resume))
       return
     how = (f"was killed by signal {-code}" if code < 0
            else f"exited with code {code}")
+    if tail and tail[-1].startswith(_ONE_LINE):  # Its own one-line error.
+      self.say(f"task {role} {how}: {tail[-1][len(_ONE_LINE):]}")
+      return
     lines = [f"task {role} {how}; last lines of its output:"]
     lines += [f"  | {line}" for line in tail] or ["  | (no output)"]
     self.say("\n".join(lines))

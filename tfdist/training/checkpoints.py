@@ -12,15 +12,19 @@ state file naming only finished checkpoints. `restore_latest` restores the
 newest of those; when it is unreadable (truncated or corrupt files) it falls
 back to the one before, and when the directory holds checkpoints but none can
 be read it raises `tfdist.CheckpointError` rather than start over.
+A save that fails for lack of space or quota removes what it wrote and raises
+`tfdist.DiskFullError`, which names the last whole checkpoint.
 `agreed` runs a restore on every worker and makes them agree on the position
 restored before training starts.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import re
+import shutil
 from typing import Callable
 
 from absl import logging
@@ -28,11 +32,17 @@ import tensorflow as tf
 
 from tfdist.errors import CheckpointError
 from tfdist.errors import ConfigError
+from tfdist.errors import DiskFullError
 from tfdist.errors import TfdistError
 from tfdist.strategy import introspect
 from tfdist.training import chief as chief_lib
+from tfdist.training import ownership
 
 __all__ = ["save", "restore_latest", "candidates", "agreed"]
+
+#: A full filesystem or quota (TensorFlow's ResourceExhaustedError says so in
+#: the system's words).
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 #: A restored position: numbers every worker must agree on.
 Position = tuple[int, ...]
@@ -53,12 +63,34 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *,
 
   Returns:
     The saved prefix on the chief, ``None`` on other workers.
+
+  Raises:
+    DiskFullError: no space or quota left; the partial save was removed.
   """
-  with chief_lib.write_dir(chief_lib.absolute(directory), strategy) as target:
+  directory = chief_lib.absolute(directory)
+  with chief_lib.write_dir(directory, strategy) as target:
+    before = set(os.listdir(target)) if os.path.isdir(target) else set()
     manager = tf.train.CheckpointManager(checkpoint, target,
                                          max_to_keep=max_to_keep)
-    path = manager.save(checkpoint_number=number)
+    try:
+      path = manager.save(checkpoint_number=number)
+    except (tf.errors.OpError, OSError) as e:
+      reason = next((os.strerror(n) for n in _NO_SPACE
+                     if os.strerror(n) in str(e)), None)
+      if reason is None:
+        raise
+      ownership.remove_partial(target, before)
+      raise DiskFullError(directory=target, free=_free(target),
+                          last=next(iter(candidates(directory)), None),
+                          reason=reason) from e
   return path if introspect.is_chief(strategy) else None
+
+
+def _free(path: str) -> int:
+  """Bytes free on the filesystem of ``path``, or of its nearest parent."""
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  return shutil.disk_usage(path).free
 
 
 def candidates(directory: str) -> list[str]:

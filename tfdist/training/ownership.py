@@ -9,7 +9,8 @@ that finds another model's record there, or files and no record, is refused
 with a `tfdist.ConfigError` before anything is read or written: two jobs
 given one directory would otherwise resume from each other's state or remove
 it. `release` removes only what tfdist wrote: checkpoint files, the state
-file and the record, and the directory itself when tfdist created it.
+file and the record, and the directory itself when tfdist created it;
+`claim` removes the partial saves a killed run left (`remove_partial`).
 
 Runs of one model count as one job, on any cluster shape: a job restarted on
 more or fewer workers (or ps tasks) resumes from its backup, and the chief
@@ -32,7 +33,8 @@ import tensorflow as tf
 from tfdist.errors import ConfigError
 from tfdist.strategy import introspect
 
-__all__ = ["OWNER_FILE", "owner_of", "claim", "clusters", "release"]
+__all__ = ["OWNER_FILE", "owner_of", "claim", "clusters", "release",
+           "remove_partial"]
 
 #: The owner record in a backup or checkpoint directory.
 OWNER_FILE = "tfdist-owner.json"
@@ -42,6 +44,11 @@ _TMP_PREFIX = f".{OWNER_FILE}."
 # temporary; the owner record's temporaries.
 _WRITTEN = re.compile(r"ckpt-\d+(\.index|\.data-\d+-of-\d+|_temp.*)"
                       r"|checkpoint(\.tmp.*)?|" + re.escape(_TMP_PREFIX) + ".*")
+# A save cut short: TensorFlow's sharded writer's ckpt-N_temp/ of part-*
+# shards (each written to a .tempstate file first), the state file's temporary.
+_TEMP_DIR = re.compile(r"ckpt-\d+_temp")
+_STATE_TMP = re.compile(r"checkpoint\.tmp[0-9a-f]+")
+_SHARD = re.compile(r"part-\d+-of-\d+\.(index|data-\d+-of-\d+)(\.tempstate\d+)?")
 
 Owner = dict[str, Any]
 
@@ -83,6 +90,7 @@ def claim(directory: str, owner: Owner, *, strategy: tf.distribute.Strategy,
   if record is not None:
     _check_same(directory, record, owner, field=field, source=source)
   if introspect.is_chief(strategy):
+    remove_partial(directory)  # Left by a killed run: never resumed from.
     seen = clusters(record or {})
     update = None  # A known shape writes nothing, only proves it could.
     if owner["cluster"] not in seen:
@@ -110,18 +118,46 @@ def release(directory: str, strategy: tf.distribute.Strategy) -> None:
   except (OSError, ValueError, AttributeError):
     return  # Not a directory tfdist claimed: leave it as it is.
   for name in os.listdir(directory):
-    if _WRITTEN.fullmatch(name):
-      path = os.path.join(directory, name)
-      if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-      else:
-        os.remove(path)
+    path = os.path.join(directory, name)
+    if _WRITTEN.fullmatch(name) and (_TEMP_DIR.fullmatch(name) is None
+                                     or _shards_only(path)):
+      _remove(path)
   os.remove(os.path.join(directory, OWNER_FILE))
   if created:
     try:
       os.rmdir(directory)  # Only when empty: what others put there stays.
     except OSError:
       pass
+
+
+def remove_partial(directory: str, before: Iterable[str] | None = None
+                   ) -> None:
+  """Removes partial saves from ``directory``, and nothing else.
+
+  Without ``before``: what a killed run left, ``ckpt-N_temp`` directories
+  holding only TensorFlow's shards and the state file's temporaries. With
+  ``before``, the names there before a save that failed: also the checkpoint
+  files that save added.
+  """
+  for name in _listing(directory):
+    path = os.path.join(directory, name)
+    if (before is not None and name not in before and _WRITTEN.fullmatch(name)
+        or _STATE_TMP.fullmatch(name) and os.path.isfile(path)
+        or _TEMP_DIR.fullmatch(name) and _shards_only(path)):
+      _remove(path)
+
+
+def _shards_only(path: str) -> bool:
+  """True for a directory of TensorFlow's shards only (or of nothing)."""
+  return (os.path.isdir(path) and not os.path.islink(path)
+          and all(_SHARD.fullmatch(n) for n in os.listdir(path)))
+
+
+def _remove(path: str) -> None:
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path, ignore_errors=True)
+  else:
+    os.remove(path)
 
 
 _FRESH = ("To start fresh, pass a new {field}, or delete {directory} yourself; "

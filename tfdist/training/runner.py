@@ -248,12 +248,13 @@ class Runner:
     """Writes a checkpoint at the current step; returns the chief's path."""
     if not self._directory or self._saved_step == self._step:
       return None
-    self._saved_step = self._step
     self._global_step.assign(self._step)
-    return checkpoints_lib.save(
+    path = checkpoints_lib.save(
         self._checkpoint, self._directory,
         strategy=self._strategy, max_to_keep=self._options.max_to_keep,
         number=self._step)
+    self._saved_step = self._step
+    return path
 
   def _restore(self) -> None:
     """Claims ``checkpoint_dir`` and restores; every worker at one step."""
