@@ -106,13 +106,43 @@ class ChiefInProcessTest(parameterized.TestCase):
 
   def test_backup_resumes_at_the_saved_epoch(self):
     backup = os.path.join(self.root, "backup")
-    self._fit([keras.callbacks.BackupAndRestore(backup,
-                                                delete_checkpoint=False)],
-              epochs=2)
+    self._fit([keras.callbacks.BackupAndRestore(
+        backup, delete_checkpoint=False, double_checkpoint=True)], epochs=2)
+    os.mkdir(os.path.join(backup, ".tfdist-staging-1"))  # A killed save's.
     history = self._fit([keras.callbacks.BackupAndRestore(backup)],
                         epochs=3).history.history
     self.assertLen(history["loss"], 1)  # Epochs 1 and 2 were restored.
     self.assertFalse(os.path.exists(backup))  # delete_checkpoint, by the chief.
+
+  @parameterized.named_parameters(
+      ("keras", keras.callbacks.BackupAndRestore,
+       "keras.callbacks.BackupAndRestore", "Keras's BackupAndRestore"),
+      ("tfdist", tfdist.BackupAndRestore, "tfdist.BackupAndRestore",
+       "tfdist (there is no tfdist-owner.json)"),
+  )
+  def test_a_directory_of_user_files_is_refused_untouched(
+      self, callback, source, writer):
+    # Keras's own deletes its whole backup_dir when training ends.
+    backup = os.path.join(self.root, "backup")
+    os.makedirs(os.path.join(backup, "mine"))
+    for name in ("notes.txt", "mine/data.csv"):
+      with open(os.path.join(backup, name), "w") as f:
+        f.write(name)
+    with self.assertRaises(tfdist.ConfigError) as caught:
+      self._fit([callback(backup)])
+    e = caught.exception
+    self.assertEqual((e.field, e.value, e.source),
+                     ("backup_dir", backup, source))
+    self.assertEqual(e.expected, (
+        "a new or empty directory, or one this job's backups were written to "
+        f"(it holds mine, notes.txt, which {writer} did not write)"))
+    self.assertEqual(e.hint, (
+        f"To start fresh, pass a new backup_dir, or delete {backup} yourself; "
+        "tfdist never removes what it did not write"))
+    self.assertEqual(_tree(self.root),  # Nothing written, nothing removed.
+                     ["backup/mine/data.csv", "backup/notes.txt"])
+    with open(os.path.join(backup, "mine", "data.csv")) as f:
+      self.assertEqual(f.read(), "mine/data.csv")
 
   def test_a_failing_fit_leaves_no_staging_directory(self):
     class Boom(keras.callbacks.Callback):
@@ -173,6 +203,27 @@ class MultiWorkerCallbacksTest(absltest.TestCase):
     self.assertEqual(outs[0]["checksum"], outs[1]["checksum"])
     with open(os.path.join(out_dir, "backup", "training_metadata.json")) as f:
       self.assertEqual(json.load(f)["epoch"], 3)
+
+  def test_a_directory_of_user_files_is_refused_on_every_worker(self):
+    root = _tempdir(self)
+    backup = os.path.join(root, "out", "backup")
+    os.makedirs(backup)
+    with open(os.path.join(backup, "notes.txt"), "w") as f:
+      f.write("mine")
+    outs, results, tmp = self._run(root, "--epochs", "1")
+    for out, result in zip(outs, results):
+      self.assertFalse(out["ok"], cluster_utils.tail(result.stderr))
+      self.assertEqual(out["error_type"], "ConfigError")
+      self.assertIn(
+          f"backup_dir: received '{backup}'; expected a new or empty "
+          "directory, or one this job's backups were written to (it holds "
+          "notes.txt, which Keras's BackupAndRestore did not write) "
+          "(keras.callbacks.BackupAndRestore). To start fresh", out["error"])
+    # Refused before anything was written, on either worker.
+    self.assertEqual(_tree(os.path.join(root, "out")), ["backup/notes.txt"])
+    with open(os.path.join(backup, "notes.txt")) as f:
+      self.assertEqual(f.read(), "mine")
+    self.assertEqual(os.listdir(tmp), [])
 
   def test_evaluate_and_predict_write_and_draw_from_the_chief(self):
     root = _tempdir(self)

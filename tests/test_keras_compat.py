@@ -7,6 +7,8 @@ corrections and fail, on purpose, the day upstream fixes a bug.
 """
 
 import contextlib
+import functools
+import inspect
 from unittest import mock
 
 from absl.testing import absltest
@@ -22,7 +24,7 @@ import cluster_utils
 
 ALL_FIXES = ("atomic_assign_add", "chief_aware_callbacks",
              "jit_compile_multi_replica", "lazy_optimizer_build",
-             "multi_worker_scalar_mean", "steps_per_execution",
+             "multi_worker_scalar_mean", "scope_errors", "steps_per_execution",
              "strategy_transport", "symbolic_build_reduce", "transport_errors")
 _REDUCE = "keras.src.backend.tensorflow.trainer:reduce_per_replica"
 DEVICES = ["/cpu:0", "/cpu:1"]
@@ -220,6 +222,19 @@ class MirroredFitTest(parameterized.TestCase):
         max(np.max(np.abs(a - b)) for a, b in zip(init, single.get_weights())),
         1e-3)  # It did train.
 
+  def test_a_global_batch_split_unevenly_trains(self):
+    # Batch 7 on 2 replicas is 4 + 3 rows (and 64 samples end in a batch of
+    # 1): upstream fails (UpstreamMirroredTest). Each replica's loss is the
+    # mean of its rows, as in upstream's last partial batch (so the weights
+    # are not one device's: here 0.04 apart, after moving 0.12).
+    init = _model().get_weights()
+    mirrored = _fit(tfdist.make_strategy("mirrored", devices=DEVICES),
+                    batch_size=7, weights=init)
+    self.assertEqual(int(mirrored.optimizer.iterations.numpy()), 10)
+    moved = [np.max(np.abs(a - b)) for a, b in zip(init, mirrored.get_weights())]
+    self.assertTrue(all(np.isfinite(moved)))
+    self.assertGreater(max(moved), 1e-3)
+
   def test_no_strategy_runs_upstream_code(self):
     def weights():
       return _fit(tf.distribute.get_strategy(), steps_per_execution=2,
@@ -294,6 +309,60 @@ class LazyBuildTest(absltest.TestCase):
 
 
 @pytest.mark.timeout(120)
+class ScopeErrorsTest(parameterized.TestCase):
+  """An optimizer or model made outside strategy.scope(), on 2 replicas."""
+
+  def setUp(self):
+    super().setUp()
+    keras_compat.apply()
+    self.strategy = tfdist.make_strategy("mirrored", devices=DEVICES)
+
+  def _fit(self, model, optimizer, via):
+    with self.strategy.scope():
+      model.compile(optimizer=optimizer, loss="mse")
+    fit = model.fit if via == "model.fit" else functools.partial(tfdist.fit,
+                                                                 model)
+    fit(np.ones((16, 4), np.float32), np.zeros((16, 2), np.float32),
+        batch_size=8, epochs=1, verbose=0)
+
+  @parameterized.named_parameters(
+      ("adam", keras.optimizers.Adam, "model.fit"),
+      ("sgd", keras.optimizers.SGD, "model.fit"),
+      ("adam_tfdist_fit", keras.optimizers.Adam, "tfdist.fit"))
+  def test_optimizer_made_outside_names_its_line(self, optimizer_class, via):
+    optimizer = optimizer_class(0.01)
+    line = inspect.currentframe().f_lineno - 1
+    with self.strategy.scope():
+      model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with self.assertRaises(tfdist.ConfigError) as caught:
+      self._fit(model, optimizer, via)
+    e = caught.exception
+    self.assertEqual((e.field, e.value, e.source),
+                     ("optimizer", optimizer_class.__name__,
+                      f"created at {__file__}:{line}"))
+    self.assertEqual(e.hint, "Move `optimizer = optimizer_class(0.01)` inside "
+                     "`with strategy.scope():`, before model.compile")
+    if optimizer_class is keras.optimizers.Adam:  # Its slots: upstream fails.
+      self.assertIsInstance(e.__cause__, RuntimeError)
+      self.assertIn("Mixing different tf.distribute.Strategy objects",
+                    str(e.__cause__))
+    else:  # Upstream trains, counting 2 iterations a step: refused first.
+      self.assertIsNone(e.__cause__)
+    self.assertEqual(int(optimizer.iterations.numpy()), 0)
+
+  def test_model_made_outside_is_named(self):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with self.assertRaises(tfdist.ConfigError) as caught:
+      self._fit(model, "sgd", "model.fit")
+    e = caught.exception
+    self.assertEqual(e.field, "model")
+    self.assertIn("where its optimizer (SGD) was created", e.expected)
+    self.assertEqual(
+        e.hint, "Build and compile the model inside `with strategy.scope():`")
+    self.assertIsInstance(e.__cause__, AssertionError)  # Upstream's, bare.
+
+
+@pytest.mark.timeout(120)
 class UpstreamMirroredTest(parameterized.TestCase):
   """Keras's own code still fails in the known way; fails once it does not."""
 
@@ -302,6 +371,8 @@ class UpstreamMirroredTest(parameterized.TestCase):
        "You must feed a value for placeholder tensor"),
       ("jit_compile_multi_replica", dict(jit_compile=True),
        "Trying to access resource"),
+      ("symbolic_build_reduce", dict(batch_size=7),
+       "Inputs to operation AddN of type AddN must have the same size"),
   )
   def test_still_broken(self, compile_kw, message):
     fix = self._testMethodName.split("_", 3)[-1]

@@ -8,7 +8,7 @@ strategy, or with a strategy that already works, runs Keras's own code.
 
 | fix                           | upstream code replaced                        | fails with            |
 |-------------------------------|-----------------------------------------------|-----------------------|
-| ``symbolic_build_reduce``     | ``TensorFlowTrainer._maybe_symbolic_build``   | MultiWorkerMirrored   |
+| ``symbolic_build_reduce``     | ``TensorFlowTrainer._maybe_symbolic_build``   | MultiWorkerMirrored; Mirrored with a global batch that does not split evenly (7 on 2 replicas) |
 | ``multi_worker_scalar_mean``  | ``reduce_per_replica``                        | MultiWorkerMirrored   |
 | ``steps_per_execution``       | ``TensorFlowTrainer._make_function``          | Mirrored, spe > 1     |
 | ``jit_compile_multi_replica`` | ``TensorFlowTrainer._make_function``          | (MultiWorker)Mirrored, ``jit_compile=True``: refused, see below |
@@ -16,6 +16,7 @@ strategy, or with a strategy that already works, runs Keras's own code.
 | ``lazy_optimizer_build``      | ``BaseOptimizer.apply``                       | custom loops: optimizer built inside ``strategy.run`` on several replicas |
 | ``chief_aware_callbacks``     | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their callbacks) | every worker writes ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger paths (`keras_callbacks`) and draws the progress bar |
 | ``strategy_transport``        | ``TFOptimizer._all_reduce_sum_gradients``     | not a bug: gradients take the transport `make_strategy` chose (`Host.all_reduce`), tfdist's socket ring where it is faster |
+| ``scope_errors``              | ``TFOptimizer.__init__`` (records where), ``add_variable_from_reference``, ``BaseOptimizer.apply`` | not a bug: an optimizer created outside ``strategy.scope()`` fails with "Mixing different tf.distribute.Strategy objects" (plain SGD counts steps twice), a model so built with a bare ``AssertionError``: refused by `Host.refusal`, naming the line to move |
 | ``transport_errors``          | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their errors) | the ring's error (a lost peer, named) comes out of ``tf.numpy_function`` as TensorFlow's ``UnknownError``: raised as itself (`Host.transport_failure`) |
 
 **Which Keras gets them: decided at run time from the code, not the version.**
@@ -49,6 +50,8 @@ import functools
 import hashlib
 import importlib
 import inspect
+import linecache
+import sys
 import textwrap
 import threading
 from typing import Any, Callable, Iterable, Mapping
@@ -130,6 +133,11 @@ FIXES: tuple[Fix, ...] = (
          # The caller, which hands it a list of every (gradient, variable).
          f"{_OPTIMIZER}:TFOptimizer._backend_update_step": "9be20bff479173f6"},
         "none: Keras sums gradients by the strategy's collectives only"),
+    Fix("scope_errors",
+        {f"{_OPTIMIZER}:TFOptimizer.__init__": "fba59c4d6803c945",
+         f"{_OPTIMIZER}:TFOptimizer.add_variable_from_reference": None,
+         "keras.src.optimizers.base_optimizer:BaseOptimizer.apply": None},
+        "none: upstream names no fix"),
     Fix("transport_errors",
         {f"{_TRAINER}:TensorFlowTrainer.fit": None,
          f"{_TRAINER}:TensorFlowTrainer.evaluate": None,
@@ -331,13 +339,15 @@ def _is_multi_worker(strategy: Any) -> bool:
 # --- symbolic_build_reduce --------------------------------------------------
 # Upstream passes the whole (x, y, sample_weight) nest of PerReplica values to
 # `strategy.reduce("MEAN", batch, axis=None)`. Collective all-reduce takes one
-# tensor, not a nest: "Attempt to convert a value (PerReplica:...)". The build
-# only reads shapes and dtypes, so one local replica's batch is enough and no
-# collective is needed at all.
+# tensor, not a nest: "Attempt to convert a value (PerReplica:...)". Under
+# MirroredStrategy a first batch split unevenly (4 and 3 rows) cannot be
+# averaged element-wise: "Inputs to operation AddN ... must have the same size
+# and shape". The build only reads shapes and dtypes, so one local replica's
+# batch is enough and no reduction is needed at all.
 def _maybe_symbolic_build(original):
   def wrapper(self, iterator=None, data_batch=None):
     strategy = self._distribute_strategy  # pylint: disable=protected-access
-    if iterator is None or not _is_multi_worker(strategy):
+    if iterator is None or strategy is None:
       return original(self, iterator=iterator, data_batch=data_batch)
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from keras.src import tree  # pylint: disable=g-import-not-at-top
@@ -606,7 +616,7 @@ def _chief_aware(original):
     callbacks = bound.arguments.get("callbacks") or ()
     with keras_callbacks.one_writer(
         getattr(callbacks, "callbacks", callbacks),  # A CallbackList, too.
-        chief=chief):
+        chief=chief, refusal=_host[0].refusal):
       return original(*bound.args, **bound.kwargs)
   return functools.wraps(original)(wrapper)
 
@@ -621,6 +631,7 @@ def _transport_errors(original):
     try:
       return original(self, *args, **kwargs)
     except Exception as e:
+      e.__cause__ = e.__cause__ or getattr(e, _CAUSE, None)  # `_scope_errors`
       strategy = self._distribute_strategy  # pylint: disable=protected-access
       failed = _host[0].transport_failure
       failure = (failed(strategy) if failed is not None
@@ -629,6 +640,74 @@ def _transport_errors(original):
         raise
       raise failure.with_traceback(None) from e
   return functools.wraps(original)(wrapper)
+
+
+# An optimizer records the strategy it was created under, and works under no
+# other. Created outside `strategy.scope()`, its slot variables fail with
+# "Mixing different tf.distribute.Strategy objects: <...MirroredStrategy> is
+# not <..._DefaultDistributionStrategy>"; without slots (plain SGD) it trains,
+# counting `iterations` once per replica (8 for 4 steps on 2 replicas), which
+# schedules read. A model built outside the scope, its optimizer inside, fails
+# in `apply` with a bare AssertionError. Upstream's error is raised as a
+# refusal that says what to move (`__cause__`: upstream's); where upstream
+# goes on, `apply` refuses as it returns (in `fit`, while tracing: no step
+# runs).
+def _record_creation(original):
+  def wrapper(self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    while frame and frame.f_globals.get("__name__", "").split(".")[0] in (
+        "keras", "tfdist"):
+      frame = frame.f_back
+    if frame and not tf.distribute.has_strategy():
+      self._tfdist_created_at = (frame.f_code.co_filename, frame.f_lineno)  # pylint: disable=protected-access
+  return functools.wraps(original)(wrapper)
+
+
+def _scope_errors(original):
+  def wrapper(self, *args, **kwargs):
+    try:
+      result = original(self, *args, **kwargs)
+    except (RuntimeError, AssertionError) as e:
+      refusal = _scope_refusal(self)
+      if refusal is None:
+        raise
+      setattr(refusal, _CAUSE, e)  # Keras's traceback filter drops __cause__.
+      raise refusal from e
+    refusal = _scope_refusal(self)
+    if refusal is not None:  # Upstream went on (plain SGD): refused as traced.
+      raise refusal
+    return result
+  return functools.wraps(original)(wrapper)
+
+
+_CAUSE = "_tfdist_cause"
+
+
+def _scope_refusal(optimizer: Any) -> Exception | None:
+  """The refusal when ``optimizer`` runs under another strategy, else None."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  mine = getattr(optimizer, "_distribution_strategy", None)
+  if mine is None or mine is tf.distribute.get_strategy():
+    return None
+  name = type(optimizer).__name__
+  if not tf.distribute.has_strategy():  # The step runs outside the scope.
+    return _host[0].refusal(
+        field="model", value="variables created outside strategy.scope()",
+        source="Model.fit", expected="variables created inside `with "
+        f"strategy.scope():`, where its optimizer ({name}) was created",
+        hint="Build and compile the model inside `with strategy.scope():`")
+  path, line = getattr(optimizer, "_tfdist_created_at", (None, 0))
+  code = linecache.getline(path, line).strip() if path else ""
+  return _host[0].refusal(
+      field="optimizer", value=name,
+      source=f"created at {path}:{line}" if path else "created elsewhere",
+      expected="an optimizer created inside `with strategy.scope():` of the "
+               "strategy it trains under; this one was created outside it",
+      hint=(f"Move `{code}` inside `with strategy.scope():`" if code else
+            "Create the optimizer inside `with strategy.scope():`")
+      + ", before model.compile")
 
 
 # Every Keras optimizer on TensorFlow sums its gradients here; tfdist's upper
@@ -684,6 +763,10 @@ _INSTALLS: dict[str, Callable[[], list[tuple[Any, str, Callable]]]] = {
     "strategy_transport": lambda: [
         (_tf_optimizer_class(), "_all_reduce_sum_gradients",
          _all_reduce_sum_gradients)],
+    "scope_errors": lambda: [
+        (_tf_optimizer_class(), "__init__", _record_creation),
+        (_tf_optimizer_class(), "add_variable_from_reference", _scope_errors),
+        (_optimizer_class(), "apply", _scope_errors)],
     "transport_errors": lambda: [
         (_trainer().TensorFlowTrainer, method, _transport_errors)
         for method in ("fit", "evaluate", "predict")],

@@ -12,6 +12,7 @@ does not (tensorflow/tensorflow#38635 is the race). For the length of one
 |--------------------|----------------------------------------------------|--------------------|
 | ``ModelCheckpoint``  | writes each file in a staging directory beside its target, then renames it onto the target | a temporary directory |
 | ``BackupAndRestore`` | restores from ``backup_dir``; each save staged, then renamed into place | restores from ``backup_dir`` too (the chief's state), saves into a temporary directory, never deletes ``backup_dir`` |
+| (every worker)     | first refuses a ``backup_dir`` holding files Keras did not write (`refuse_unowned`), before any callback runs: Keras deletes the whole directory when training ends | |
 | ``TensorBoard``, ``CSVLogger`` | the real path (appended as training goes) | a temporary directory |
 
 A rename onto the target is atomic on one filesystem, so a reader (the next
@@ -29,6 +30,7 @@ already inside a `one_writer` is left to the outer one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import os
 import re
@@ -36,7 +38,7 @@ import shutil
 import tempfile
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-__all__ = ["VERIFIED", "one_writer"]
+__all__ = ["FRESH", "VERIFIED", "one_writer", "refuse_unowned"]
 
 _MODULE = "keras.src.callbacks.backup_and_restore:BackupAndRestore"
 
@@ -49,6 +51,9 @@ VERIFIED: Mapping[str, str] = {
     f"{_MODULE}._save_model": "94e4d072c55aef7b",
 }
 
+#: The hint of a refused directory, as `str.format` with field and directory.
+FRESH = ("To start fresh, pass a new {field}, or delete {directory} yourself; "
+         "tfdist never removes what it did not write")
 _STAGING = ".tfdist-staging-"
 _FIELD = re.compile(r"\{[^{}]*\}")  # A str.format field, as in "{epoch:02d}".
 _SCRATCH = "tfdist-keras-"
@@ -57,19 +62,23 @@ _Scratch = Callable[[], str]
 
 
 @contextlib.contextmanager
-def one_writer(callbacks: Sequence[Any], *, chief: bool) -> Iterator[None]:
+def one_writer(callbacks: Sequence[Any], *, chief: bool,
+               refusal: Callable[..., Exception]) -> Iterator[None]:
   """Points Keras's writing callbacks as the table above says, for a block.
 
   Args:
     callbacks: Keras callbacks; other callbacks are left alone.
     chief: whether this process is the one that writes the real paths.
+    refusal: builds the error for a directory that is not the callback's
+      (`tfdist.ConfigError`).
 
   Yields:
     Nothing; the callbacks are changed in place and restored afterwards.
   """
   import keras  # pylint: disable=g-import-not-at-top
   pointers: list[tuple[type, Callable[..., Any]]] = [
-      (keras.callbacks.BackupAndRestore, _backup_and_restore),
+      (keras.callbacks.BackupAndRestore,
+       functools.partial(_backup_and_restore, refusal=refusal)),
       (keras.callbacks.ModelCheckpoint, _model_checkpoint),
       (keras.callbacks.TensorBoard, _stream("log_dir")),
       (keras.callbacks.CSVLogger, _stream("filename")),
@@ -198,9 +207,19 @@ def _point_backup(callback: Any, directory: str) -> None:
 
 
 @contextlib.contextmanager
-def _backup_and_restore(callback: Any, *, chief: bool,
-                        scratch: _Scratch) -> Iterator[None]:
+def _backup_and_restore(callback: Any, *, chief: bool, scratch: _Scratch,
+                        refusal: Callable[..., Exception]) -> Iterator[None]:
   real = callback.backup_dir
+  local = "://" not in os.fspath(real)
+  if local:  # Before Keras's callbacks start (TensorBoard writes at once).
+    own = {os.path.basename(p) for p in (
+        callback._weights_path, callback._prev_weights_path,  # pylint: disable=protected-access
+        callback._training_metadata_path,  # pylint: disable=protected-access
+        callback._prev_training_metadata_path)}  # pylint: disable=protected-access
+    refuse_unowned(real, own=lambda n: n in own or n.startswith(_STAGING),
+                   writer="Keras's BackupAndRestore", refusal=refusal,
+                   field="backup_dir",
+                   source="keras.callbacks.BackupAndRestore")
   if not chief:
     # Restore what the chief saved, then save where nobody reads.
     then = lambda: _point_backup(callback, scratch())
@@ -210,7 +229,7 @@ def _backup_and_restore(callback: Any, *, chief: bool,
     finally:
       _point_backup(callback, real)
     return
-  if "://" in os.fspath(real):
+  if not local:
     yield
     return
   save = callback._save_model  # pylint: disable=protected-access
@@ -219,6 +238,32 @@ def _backup_and_restore(callback: Any, *, chief: bool,
     yield
   finally:
     del callback._save_model  # pylint: disable=protected-access
+
+
+def refuse_unowned(directory: str, *, own: Callable[[str], bool], writer: str,
+                   refusal: Callable[..., Exception], field: str,
+                   source: str) -> None:
+  """Refuses ``directory`` when it holds a name ``own`` does not accept.
+
+  The one check of a backup directory, for tfdist's (through
+  `tfdist.training.ownership`) and, under a tfdist strategy, Keras's:
+  what tfdist did not write it never writes over or removes.
+
+  Raises:
+    The error ``refusal`` builds, naming up to 3 of the names.
+  """
+  if not os.path.lexists(directory):
+    return
+  names = os.listdir(directory) if os.path.isdir(directory) else [directory]
+  foreign = sorted(n for n in names if not own(n))
+  if foreign:
+    held = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more"
+                                     if len(foreign) > 3 else "")
+    raise refusal(
+        field=field, value=directory, source=source,
+        expected=f"a new or empty directory, or one this job's backups were "
+                 f"written to (it holds {held}, which {writer} did not write)",
+        hint=FRESH.format(field=field, directory=directory))
 
 
 def _staged_save(callback: Any, save: Callable[[], None], real: str) -> None:

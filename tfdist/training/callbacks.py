@@ -51,7 +51,7 @@ def chief_aware(callbacks: Sequence[keras.callbacks.Callback] | None,
           expected="no keras.callbacks.BackupAndRestore",
           hint="Pass backup_dir= to tfdist.fit: it resumes inside an epoch, "
                "applies no step twice and only the chief writes")
-  with keras_callbacks.one_writer(callbacks,
+  with keras_callbacks.one_writer(callbacks, refusal=ConfigError,
                                   chief=introspect.is_chief(strategy)):
     yield callbacks
 

@@ -30,6 +30,7 @@ from typing import Any, Iterable
 
 import tensorflow as tf
 
+from tfdist._compat import keras_callbacks
 from tfdist.errors import ConfigError
 from tfdist.strategy import introspect
 
@@ -81,13 +82,12 @@ def claim(directory: str, owner: Owner, *, strategy: tf.distribute.Strategy,
       directory the chief cannot write.
   """
   record = _read(directory, field=field, source=source)
-  if record is None and _listing(directory):
-    raise ConfigError(
-        field=field, value=directory, source=source,
-        expected="a new or empty directory, or one this job's backups were "
-                 f"written to (it holds files and no {OWNER_FILE})",
-        hint=_FRESH.format(field=field, directory=directory))
-  if record is not None:
+  if record is None:
+    keras_callbacks.refuse_unowned(
+        directory, own=lambda n: n.startswith(_TMP_PREFIX),
+        writer=f"tfdist (there is no {OWNER_FILE})", refusal=ConfigError,
+        field=field, source=source)
+  else:
     _check_same(directory, record, owner, field=field, source=source)
   if introspect.is_chief(strategy):
     remove_partial(directory)  # Left by a killed run: never resumed from.
@@ -160,8 +160,7 @@ def _remove(path: str) -> None:
     os.remove(path)
 
 
-_FRESH = ("To start fresh, pass a new {field}, or delete {directory} yourself; "
-          "tfdist never removes what it did not write")
+_FRESH = keras_callbacks.FRESH
 
 
 def _listing(directory: str) -> list[str]:
