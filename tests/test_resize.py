@@ -166,7 +166,8 @@ class ParameterServerResizeTest(absltest.TestCase):
   """
 
   ENTRIES = ("ps_fit", "ps_runner", "ps_embedding")
-  STOP = 3
+  STOP = 3  # The first run stops once step 3 is backed up, the second at 6.
+  END = 6
 
   @classmethod
   def setUpClass(cls):
@@ -177,7 +178,7 @@ class ParameterServerResizeTest(absltest.TestCase):
           cluster_utils.run_cluster(JOB, [None], args=args, timeout=300,
                                     env={"TMPDIR": d})[0]
           for args in ([backups, "--ps", "1", "3", "--stop", str(cls.STOP)],
-                       [backups, "--ps", "2", "2"]))
+                       [backups, "--ps", "2", "2", "--stop", str(cls.END)]))
     for r in (cls.first, cls.second):
       assert r.returncode == 0, cluster_utils.tail(r.stderr)
 
@@ -189,8 +190,8 @@ class ParameterServerResizeTest(absltest.TestCase):
       self.assertEqual(second[entry]["start"], self.STOP, entry)
       _relative(self, second[entry]["weights"][str(self.STOP)],
                 first[entry]["weights"][str(self.STOP)], entry)
-      self.assertEqual(max(int(s) for s in second[entry]["weights"]), STEPS,
-                       entry)
+      self.assertEqual(max(int(s) for s in second[entry]["weights"]),
+                       self.END, entry)
     self.assertEqual((first["ps_embedding"]["shards"],
                       second["ps_embedding"]["shards"]), (3, 2))
     self.assertIn("tfdist: resuming a backup of 1 worker (global batch 12) "
