@@ -28,6 +28,8 @@ from tfdist import perf
 from tfdist.strategy import transport as transport_lib
 
 DEVICES = ["/cpu:0", "/cpu:1"]
+#: The entry points of socket_transport.py's ``default`` mode.
+ENTRIES = ("keras_fit", "fit", "runner", "keras_fit_sparse")
 
 
 def _data(n=64):
@@ -208,10 +210,11 @@ class AutoRuleTest(parameterized.TestCase):
       np.testing.assert_array_equal(a, b)
 
 
-def _cluster(mode, ranks=(0, 1), env=None):
+def _cluster(mode, *args, ranks=(0, 1), env=None):
   """Runs the script on 2 workers; the JSON of the workers in ``ranks``."""
   results = cluster_utils.run_cluster(
-      "socket_transport.py", cluster_utils.worker_configs(2), args=[mode],
+      "socket_transport.py", cluster_utils.worker_configs(2),
+      args=[mode, *args],
       timeout=300, env=env)
   outs = []
   for rank in ranks:
@@ -288,10 +291,14 @@ class ClusterTest(parameterized.TestCase):
         self.assertLessEqual(got["max_error"], rtol * got["max_abs"], case)
 
   @parameterized.named_parameters(
-      ("with_a_job_secret_the_ring", "s3cret", "socket"),
-      ("without_one_tensorflow_collectives", "", "collective"))
-  def test_training_by_default_forced_and_matching(self, secret, default):
-    results, outs = _cluster("default", env={"TFDIST_JOB_SECRET": secret})
+      ("with_a_job_secret_the_ring", "s3cret", "socket", ENTRIES),
+      # The same code paths; without a secret only the default differs.
+      ("without_one_tensorflow_collectives", "", "collective",
+       ("keras_fit", "keras_fit_sparse")))
+  def test_training_by_default_forced_and_matching(self, secret, default,
+                                                   entries):
+    results, outs = _cluster("default", *entries,
+                             env={"TFDIST_JOB_SECRET": secret})
     # The chief says what carries the gradients, visibly, at the first step
     # (the default's), and again when an optimizer forces the other one.
     said = [line for line in results[0].stderr.splitlines()
@@ -306,7 +313,7 @@ class ClusterTest(parameterized.TestCase):
     self.assertNotIn("tfdist: gradients cross", results[1].stderr)
     for out in outs:
       self.assertEqual(out["transport"], default, out["reason"])
-      for how in ("keras_fit", "fit", "runner", "keras_fit_sparse"):
+      for how in entries:
         calls = {t: out[f"{how}_{t}_ring_calls"]
                  for t in ("default", "options", "collective", "socket")}
         self.assertEqual(calls["collective"], 0, how)

@@ -206,6 +206,7 @@ def _runner(options):
 
 
 def default():
+  """Every entry point (or those named after the mode) by each transport."""
   choice = transport.gradient_transport(strategy)
   out = {"transport": choice.transport, "reason": choice.reason}
   for name, run in (
@@ -214,6 +215,8 @@ def default():
       ("runner", _runner),
       ("keras_fit_sparse", lambda o: _fitted(
           o, _keras_fit, build=_embedding_model, data=_embedding_data))):
+    if sys.argv[2:] and name not in sys.argv[2:]:
+      continue
     for how, options in (
         ("default", None),
         ("options", perf.GradientOptions()),  # transport="auto", given.
