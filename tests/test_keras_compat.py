@@ -350,6 +350,20 @@ class ScopeErrorsTest(parameterized.TestCase):
       self.assertIsNone(e.__cause__)
     self.assertEqual(int(optimizer.iterations.numpy()), 0)
 
+  def test_one_replica_applied_outside_the_scope_trains_as_upstream(self):
+    strategy = tfdist.make_strategy("one_device", device="/cpu:0")
+    with strategy.scope():
+      model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+      optimizer = keras.optimizers.SGD(0.1)
+      optimizer.build(model.trainable_variables)
+    with tf.GradientTape() as tape:  # An eager loop, outside the scope.
+      loss = tf.reduce_sum(model(tf.ones((4, 2))))
+    before = model.get_weights()
+    optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                    model.trainable_variables)
+    self.assertEqual(int(optimizer.iterations.numpy()), 1)
+    self.assertFalse(np.allclose(before[0], model.get_weights()[0]))
+
   def test_model_made_outside_is_named(self):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     with self.assertRaises(tfdist.ConfigError) as caught:

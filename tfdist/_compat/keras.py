@@ -676,13 +676,21 @@ def _scope_errors(original):
       setattr(refusal, _CAUSE, e)  # Keras's traceback filter drops __cause__.
       raise refusal from e
     refusal = _scope_refusal(self)
-    if refusal is not None:  # Upstream went on (plain SGD): refused as traced.
-      raise refusal
+    if refusal is not None and _replicas(self) > 1:
+      raise refusal  # Upstream went on (plain SGD, steps counted per replica).
     return result
   return functools.wraps(original)(wrapper)
 
 
 _CAUSE = "_tfdist_cause"
+
+
+def _replicas(optimizer: Any) -> int:
+  """The most replicas of the strategy ``optimizer`` was made under and the
+  one it runs under: with one each, nothing is mixed (upstream is right)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return max(optimizer._distribution_strategy.num_replicas_in_sync,  # pylint: disable=protected-access
+             tf.distribute.get_strategy().num_replicas_in_sync)
 
 
 def _scope_refusal(optimizer: Any) -> Exception | None:
