@@ -31,10 +31,10 @@ _NOISE = re.compile(
     r"to STDERR|cudart_stub\.cc:\d+\] Could not find cuda drivers"
     r"|cuda_platform\.cc:\d+\] failed call to cuInit"
     r"|port\.cc:\d+\] oneDNN custom operations are on")
-#: What a task that stopped on a preemption signal printed last
-#: (`tfdist.training.preemption`, `tfdist.strategy.startup`).
 #: How to resume after a preemption, said by `tfdist launch`.
 RESUME = "run the same command to resume"
+#: What a task that stopped on a preemption signal printed last
+#: (`tfdist.training.preemption`, `tfdist.strategy.startup`).
 _SAVED = re.compile(r"checkpoint saved at step (\d+)")
 _NOTHING_SAVED = re.compile(r"nothing (?:saved|to save)")
 #: How a task's own one-line error starts (e.g. `tfdist.DiskFullError`).

@@ -160,9 +160,6 @@ def _remove(path: str) -> None:
     os.remove(path)
 
 
-_FRESH = keras_callbacks.FRESH
-
-
 def _listing(directory: str) -> list[str]:
   if not os.path.lexists(directory):
     return []
@@ -184,7 +181,8 @@ def _read(directory: str, *, field: str, source: str) -> Owner | None:
     raise ConfigError(field=field, value=directory, source=source,
                       expected=f"a readable {OWNER_FILE} written by tfdist "
                                f"({str(record)[:120]})",
-                      hint=_FRESH.format(field=field, directory=directory))
+                      hint=keras_callbacks.FRESH.format(
+                          field=field, directory=directory))
   return record
 
 
@@ -198,7 +196,7 @@ def _check_same(directory: str, record: Owner, owner: Owner, *, field: str,
                f"{owner['variables']} variables); it holds another job's "
                f"state (model {record.get('model')} with "
                f"{record.get('variables')} variables)",
-      hint=_FRESH.format(field=field, directory=directory))
+      hint=keras_callbacks.FRESH.format(field=field, directory=directory))
 
 
 def _write(directory: str, record: Owner | None, *, replace: bool, field: str,
