@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Mapping
 
-__all__ = ["JOB_SECRET_VARIABLE", "TRANSPORT_VARIABLE", "job_secret", "free_ports", "port_problem",
+__all__ = ["JOB_SECRET_VARIABLE", "job_secret", "free_ports", "port_problem",
            "lookup", "LOOKUP_TIMEOUT_SECONDS", "reachable", "grpc_answers",
            "is_local",
            "is_loopback", "split_address", "child_env", "cluster_tf_configs",
@@ -33,10 +33,6 @@ LOOKUP_TIMEOUT_SECONDS = 5.0
 #: The environment variable that carries a job's shared secret to its tasks.
 #: An environment variable, not an argument, so it never shows in ``ps``.
 JOB_SECRET_VARIABLE = "TFDIST_JOB_SECRET"
-
-#: The environment variable that picks what carries a job's gradients
-#: (``auto``, ``collective`` or ``socket``; `tfdist.strategy.transport`).
-TRANSPORT_VARIABLE = "TFDIST_TRANSPORT"
 
 
 def job_secret(environ: Mapping[str, str] | None = None) -> bytes | None:

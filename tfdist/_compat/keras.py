@@ -157,16 +157,17 @@ class Host:
       ``hint`` (`tfdist.ConfigError` fits).
     is_chief: whether this process writes checkpoints and logs under a
       strategy (`tfdist.strategy.introspect.is_chief`).
-    all_reduce: sums a list of ``(gradient, variable)`` pairs in a replica
-      context by the current strategy's transport, or returns ``None`` to
-      leave them to Keras (`tfdist.strategy.transport.keras_all_reduce`).
+    all_reduce: ``all_reduce(optimizer, pairs)`` sums a list of
+      ``(gradient, variable)`` pairs in a replica context as the
+      optimizer's options and strategy say, or returns ``None`` to leave
+      them to Keras (`tfdist.strategy.transport.keras_all_reduce`).
     transport_failure: the error that closed a transport of a strategy (a
       socket ring that lost a peer), or ``None``
       (`tfdist.strategy.transport.failure_of`).
   """
   refusal: Callable[..., Exception]
   is_chief: Callable[[Any], bool]
-  all_reduce: Callable[[list], list | None] | None = None
+  all_reduce: Callable[[Any, list], list] | None = None
   transport_failure: Callable[[Any], BaseException | None] | None = None
 
 
@@ -718,17 +719,14 @@ def _scope_refusal(optimizer: Any) -> Exception | None:
       + ", before model.compile")
 
 
-# Every Keras optimizer on TensorFlow sums its gradients here; tfdist's upper
-# floors may carry them by another transport (`Host.all_reduce`). An
-# optimizer given `tfdist.perf.with_gradient_options` has its own method.
+# Every Keras optimizer on TensorFlow sums its gradients here, as its
+# strategy and `tfdist.perf.GradientOptions` say (`Host.all_reduce`).
 def _all_reduce_sum_gradients(original):
   def wrapper(self, grads_and_vars):
     grads_and_vars = list(grads_and_vars)
     route = _host[0].all_reduce
-    summed = route(grads_and_vars) if route is not None else None
-    if summed is None:
-      return original(self, grads_and_vars)
-    return summed
+    summed = route(self, grads_and_vars) if route is not None else None
+    return original(self, grads_and_vars) if summed is None else summed
   return functools.wraps(original)(wrapper)
 
 

@@ -61,7 +61,6 @@ METHODS: dict[str, tuple[str, str]] = {
     "ring_polled": ("ring_polled", "none"),
     "exchange": ("exchange", "none"),
 }
-_WIRE = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def method_name(transport: str, compression: str) -> str:
@@ -101,7 +100,7 @@ def _reduce_fn(strategy, method: str, sources, repeats: int):
     out = np.empty_like(buffer)
     once = (functools.partial(ring.send_receive, buffer, out)
             if kind == "exchange" else functools.partial(
-                ring.all_reduce, buffer, wire=_WIRE[compression], out=out))
+                ring.all_reduce, buffer, wire=codec.ring_wire, out=out))
 
     def run_ring():
       for _ in range(repeats):

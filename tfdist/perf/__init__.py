@@ -12,14 +12,14 @@ in float32 per all-reduce.
 
 from tfdist.perf.accumulation import accumulating_step
 from tfdist.perf.accumulation import with_accumulation
-from tfdist.perf.compression import COMPRESSIONS
-from tfdist.perf.compression import Compression
-from tfdist.perf.compression import get_compression
-from tfdist.perf.gradients import GradientOptions
-from tfdist.perf.gradients import gradient_options_of
 from tfdist.perf.gradients import with_gradient_options
 from tfdist.ring import SocketRing
-from tfdist.strategy.transport import TRANSPORTS
+from tfdist.strategy.gradient_options import COMPRESSIONS
+from tfdist.strategy.gradient_options import Compression
+from tfdist.strategy.gradient_options import GradientOptions
+from tfdist.strategy.gradient_options import TRANSPORTS
+from tfdist.strategy.gradient_options import get_compression
+from tfdist.strategy.gradient_options import gradient_options_of
 from tfdist.strategy.transport import close_transports
 
 __all__ = [

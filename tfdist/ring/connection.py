@@ -380,8 +380,8 @@ class _Join:
         f"{members.describe(rank)} to {what}; is that worker running and at "
         "the same step, with the same job secret, and can this host reach it "
         f"over TCP (a firewall: open a range and set {RING_PORTS_VARIABLE}, "
-        f"or set {_net.TRANSPORT_VARIABLE}=collective on every worker to use "
-        "TensorFlow's collectives)?"
+        "or have every worker use TensorFlow's collectives, as the chief's "
+        "first line 'tfdist: gradients cross by the socket ring' says how)?"
         + (f" Dropped meanwhile: {dropped}." if dropped else ""))
 
   def _name(self, conn: _Conn) -> str:

@@ -44,7 +44,8 @@ from tfdist.strategy import tpu as tpu_builder
 from tfdist.strategy import transport as transport_lib
 from tfdist.strategy.catalog import STRATEGY_NAMES
 
-__all__ = ["make_strategy", "choose_strategy", "options_for", "STRATEGY_NAMES"]
+__all__ = ["make_strategy", "choose_strategy", "options_for", "STRATEGY_NAMES",
+           "install_keras_hooks"]
 
 Strategy = tf.distribute.Strategy
 #: Builds a strategy from its options dataclass and the resolved cluster.
@@ -272,6 +273,16 @@ def options_for(name: str, values: Mapping[str, Any]) -> Any:
   return spec.options(**values)
 
 
+def install_keras_hooks() -> None:
+  """Installs tfdist's corrections and hooks on Keras (idempotent): the
+  chief rule, refusals as `tfdist.ConfigError`, gradients by the strategy's
+  transport and the optimizer's `GradientOptions`."""
+  keras_compat.apply(host=keras_compat.Host(
+      refusal=ConfigError, is_chief=introspect.is_chief,
+      all_reduce=transport_lib.keras_all_reduce,
+      transport_failure=transport_lib.failure_of))
+
+
 def make_strategy(name: str = "auto", *,
                   cluster: resolve_lib.ClusterLike | None = None,
                   **options: Any) -> Strategy:
@@ -304,10 +315,7 @@ def make_strategy(name: str = "auto", *,
   # Every strategy tfdist builds runs Keras 3's trainer with its corrections;
   # what cannot be corrected is refused with a ConfigError, and Keras's
   # writing callbacks write from the chief that tfdist's one rule names.
-  keras_compat.apply(host=keras_compat.Host(
-      refusal=ConfigError, is_chief=introspect.is_chief,
-      all_reduce=transport_lib.keras_all_reduce,
-      transport_failure=transport_lib.failure_of))
+  install_keras_hooks()
   # From here until training watches signals, nothing can be saved: SIGTERM
   # and SIGUSR1 exit 42 at once, saying so.
   startup_lib.install_stop_handlers()

@@ -2,11 +2,14 @@
 
 Everything in tfdist that asks a built `tf.distribute.Strategy` where it runs
 asks here, so the chief rule (`tfdist.cluster.info.is_chief_task`) and the
-quirks of reading a strategy's cluster are written once.
+quirks of reading a strategy's cluster are written once; and what tfdist
+knows about a strategy is one `Record`, kept here (`record_of`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import weakref
 from typing import Any
 
@@ -15,14 +18,39 @@ import tensorflow as tf
 from tfdist.cluster.info import ClusterInfo
 from tfdist.cluster.info import is_chief_task
 
-__all__ = ["task_of", "is_chief", "is_parameter_server", "num_workers",
-           "num_input_workers", "record_task"]
+__all__ = ["Record", "record_of", "task_of", "is_chief",
+           "is_parameter_server", "num_workers", "num_input_workers",
+           "record_task"]
 
 _PSS = tf.distribute.experimental.ParameterServerStrategy
-# The task a one-process strategy was built for (it has no resolver to ask):
-# an evaluator, or a worker that opted out with "default", is not the chief.
-_BUILT_FOR: "weakref.WeakKeyDictionary[tf.distribute.Strategy, tuple]" = (
-    weakref.WeakKeyDictionary())
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class Record:
+  """What tfdist knows about one strategy.
+
+  Attributes:
+    built_for: ``(task_type, task_id, cluster)`` `tfdist.make_strategy`
+      built it for: a one-process strategy has no resolver to ask (an
+      evaluator, or a worker that opted out with "default", is not the chief).
+    transport: the `tfdist.strategy.transport.Choice` of its gradients.
+    announced: the transports its chief has said carry them.
+    rings: its socket rings, by their settings (`transport.ring_for`).
+  """
+  built_for: tuple | None = None
+  transport: Any = None
+  announced: set[str] = dataclasses.field(default_factory=set)
+  rings: dict[tuple, Any] = dataclasses.field(default_factory=dict)
+
+
+_records: "weakref.WeakKeyDictionary[Any, Record]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def record_of(strategy: tf.distribute.Strategy) -> Record:
+  """The `Record` of ``strategy`` (an empty one the first time)."""
+  with _lock:
+    return _records.setdefault(strategy, Record())
 
 
 def record_task(strategy: tf.distribute.Strategy, info: ClusterInfo) -> None:
@@ -30,7 +58,8 @@ def record_task(strategy: tf.distribute.Strategy, info: ClusterInfo) -> None:
 
   The default strategy is one object per process: the last record wins.
   """
-  _BUILT_FOR[strategy] = (info.task_type, info.task_id, dict(info.cluster))
+  record_of(strategy).built_for = (info.task_type, info.task_id,
+                                   dict(info.cluster))
 
 
 def is_parameter_server(strategy: tf.distribute.Strategy) -> bool:
@@ -69,7 +98,7 @@ def is_chief(strategy: tf.distribute.Strategy) -> bool:
     return True
   task = task_of(strategy)
   if task[0] is None:
-    task = _BUILT_FOR.get(strategy, task)
+    task = record_of(strategy).built_for or task
   return is_chief_task(*task)
 
 

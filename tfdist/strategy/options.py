@@ -12,6 +12,7 @@ from typing import Any
 
 from tfdist.cluster import tpu as tpu_lib
 from tfdist.errors import ConfigError
+from tfdist.strategy.gradient_options import TRANSPORTS as GRADIENT_TRANSPORTS
 
 __all__ = [
     "DefaultOptions", "OneDeviceOptions", "MirroredOptions",
@@ -27,9 +28,6 @@ _SOURCE = "make_strategy options"
 CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
 #: MultiWorkerMirroredStrategy's collective implementations.
 COLLECTIVE_IMPLEMENTATIONS = ("auto", "ring", "nccl")
-#: What carries MultiWorkerMirroredStrategy's gradient all-reduce
-#: (`tfdist.strategy.transport`): ``auto`` follows its documented rule.
-GRADIENT_TRANSPORTS = ("auto", "collective", "socket")
 #: ParameterServerStrategy's variable partitioners.
 VARIABLE_PARTITIONERS = ("none", "min_size", "fixed", "max_size")
 

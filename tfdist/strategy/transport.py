@@ -10,8 +10,9 @@
 each MultiWorkerMirroredStrategy it builds (its ``transport`` option, else
 the ``TFDIST_TRANSPORT`` environment variable, else ``auto``), and every
 Keras optimizer under that strategy (``model.fit``, `tfdist.fit`,
-`tfdist.Runner`) sums its gradients by it (`keras_all_reduce`, installed by
-`tfdist._compat.keras`). `with_gradient_options` forces either per optimizer.
+`tfdist.Runner`, custom loops) sums its gradients by it (`keras_all_reduce`,
+the one hook `tfdist._compat.keras` installs), unless its
+`tfdist.perf.GradientOptions` ask for another.
 ``auto`` picks the socket ring when all of these hold, else TensorFlow's
 collectives (`auto_rule`):
 
@@ -88,7 +89,6 @@ import os
 import sys
 import threading
 import time
-import weakref
 import zlib
 from typing import Any, Callable, Mapping, Sequence
 
@@ -102,7 +102,11 @@ from tfdist.errors import StartupTimeoutError
 from tfdist.ring import connection
 from tfdist.ring import exchange
 from tfdist.strategy import introspect
-from tfdist.strategy.options import GRADIENT_TRANSPORTS
+from tfdist.strategy.gradient_options import GradientOptions
+from tfdist.strategy.gradient_options import TRANSPORT_VARIABLE
+from tfdist.strategy.gradient_options import TRANSPORTS
+from tfdist.strategy.gradient_options import get_compression
+from tfdist.strategy.gradient_options import gradient_options_of
 
 __all__ = ["TRANSPORTS", "TRANSPORT_VARIABLE", "Choice", "auto_rule",
            "choose", "plan", "agree", "record", "gradient_transport",
@@ -112,29 +116,14 @@ __all__ = ["TRANSPORTS", "TRANSPORT_VARIABLE", "Choice", "auto_rule",
            "rings_of", "failure_of", "close_transports", "ALONE_BYTES",
            "environment_problems"]
 
-#: Every transport name `make_strategy` and `GradientOptions` accept.
-TRANSPORTS: tuple[str, ...] = GRADIENT_TRANSPORTS
-
-#: The environment variable that sets the transport where the option is
-#: ``auto`` (e.g. ``TFDIST_TRANSPORT=collective`` for a whole job).
-TRANSPORT_VARIABLE = _net.TRANSPORT_VARIABLE
-
 _SOURCE = "GradientOptions(transport='socket')"
 _KEY_PREFIX = "tfdist/socket_transport"
-
-# The wire dtype of each compression name.
-_WIRE = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 # Gradients of these dtypes are packed into the float32 buffer.
 _PACKED = (tf.float32, tf.float16, tf.bfloat16)
 
 _lock = threading.Lock()
-_chosen: "weakref.WeakKeyDictionary[Any, Choice]" = weakref.WeakKeyDictionary()
-_announced: "weakref.WeakKeyDictionary[Any, set]" = (
-    weakref.WeakKeyDictionary())
-_rings: dict[tuple, tuple[Any, ring_lib.SocketRing]] = {}
-_ring_count = 0
-_atexit_registered = False
+_every_ring: list[ring_lib.SocketRing] = []  # To close at exit.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -315,8 +304,7 @@ def agree(strategy, choice: Choice, *, timeout_s: float,
 
 def record(strategy, choice: Choice) -> None:
   """Makes ``choice`` the transport of ``strategy``'s Keras optimizers."""
-  with _lock:
-    _chosen[strategy] = choice
+  introspect.record_of(strategy).transport = choice
 
 
 def gradient_transport(strategy: tf.distribute.Strategy) -> Choice:
@@ -338,8 +326,7 @@ def gradient_transport(strategy: tf.distribute.Strategy) -> Choice:
     >>> tfdist.gradient_transport(strategy).transport
     'socket'
   """
-  with _lock:
-    choice = _chosen.get(strategy)
+  choice = introspect.record_of(strategy).transport
   if choice is not None:
     return choice
   if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
@@ -355,7 +342,7 @@ def announce(strategy, choice: Choice) -> None:
   gradients: as the first step is built, and again for an optimizer that
   asks for the other one."""
   with _lock:
-    said = _announced.setdefault(strategy, set())
+    said = introspect.record_of(strategy).announced
     if choice.transport in said or strategy.num_replicas_in_sync < 2:
       return
     said.add(choice.transport)
@@ -385,31 +372,67 @@ def sum_pairs(pairs: Sequence[tuple[Any, Any]],
   return result
 
 
-def keras_all_reduce(grads_and_vars) -> list | None:
-  """A Keras optimizer's gradients summed by its strategy's transport.
+def keras_all_reduce(optimizer, grads_and_vars: list) -> list | None:
+  """``optimizer``'s ``(gradient, variable)`` pairs summed over the replicas.
 
-  What `tfdist._compat.keras` routes ``_all_reduce_sum_gradients`` of every
-  Keras optimizer through.
+  The one hook of every Keras optimizer (`tfdist._compat.keras` installs
+  it): by the transport the optimizer's `GradientOptions` ask for, else its
+  strategy's (`gradient_transport`), in their wire dtype.
 
   Returns:
-    The summed ``(gradient, variable)`` pairs, or ``None`` where TensorFlow's
-    collectives carry them (Keras's own code then runs).
+    The summed pairs, or ``None`` where Keras's own all-reduce does the same
+    (TensorFlow's collectives, no options given).
   """
   context = tf.distribute.get_replica_context()
-  if context is None:
-    return None
+  if context is None:  # Cross-replica context: nothing to reduce.
+    return grads_and_vars
+  given = gradient_options_of(optimizer)
+  options = given or GradientOptions()
   strategy = tf.distribute.get_strategy()
   choice = gradient_transport(strategy)
+  if options.transport != "auto":
+    choice = Choice(
+        transport=options.transport,
+        reason=f"asked for by GradientOptions(transport={options.transport!r})")
   announce(strategy, choice)
-  if choice.transport != "socket":
+  if choice.transport != "socket" and given is None:
     return None
+  codec = get_compression(options.compression)
+  communication = tf.distribute.experimental.CommunicationOptions(
+      bytes_per_pack=options.bytes_per_pack)
 
-  def collective(tensors):
-    return context.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
+  def collective(grads):
+    return _collective(context, grads, codec, communication)
 
+  if choice.transport != "socket":
+    return sum_pairs(grads_and_vars, collective)
+  connect_s, silent_s = (
+      (given.socket_connect_timeout_seconds, given.socket_timeout_seconds)
+      if given else (choice.connect_timeout_s, choice.timeout_s))
   return sum_pairs(grads_and_vars, lambda grads: socket_all_reduce(
-      grads, compression="none", connect_timeout_s=choice.connect_timeout_s,
-      timeout_s=choice.timeout_s, fallback=collective, keep_sparse=True))
+      grads, compression=options.compression, connect_timeout_s=connect_s,
+      timeout_s=silent_s, fallback=collective,
+      secret=options.socket_secret, ports=options.socket_ports,
+      authenticate_values=options.socket_authenticate_values,
+      # As by default: an embedding's rows stay on the collectives unless
+      # the ring was asked for.
+      keep_sparse=options.transport == "auto"))
+
+
+def _collective(context, grads, codec, communication) -> list:
+  """TensorFlow's all-reduce of ``grads``, each dtype group in one call."""
+  # Packs concatenate tensors, so each dtype is reduced in its own call.
+  groups: dict[tf.DType, list[int]] = {}
+  wire = [codec.encode(g) for g in grads]
+  for j, w in enumerate(wire):
+    groups.setdefault(w.dtype, []).append(j)
+  reduced: list[Any] = [None] * len(grads)
+  for indices in groups.values():
+    out = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                             [wire[j] for j in indices], options=communication)
+    for j, r in zip(indices, out):
+      reduced[j] = codec.decode(r, grads[j].dtype)
+  return reduced
 
 
 class CoordinationRendezvous:
@@ -528,20 +551,18 @@ def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
     ConfigError: a strategy the socket transport cannot serve, malformed
       ``ports``, or ``authenticate_values`` without a secret.
   """
-  global _ring_count, _atexit_registered
   if not check_strategy(strategy):
     return None
-  cache_key = (id(strategy), float(connect_timeout_s), float(timeout_s),
-               secret, ports, authenticate_values, threaded_bytes)
+  settings = (float(connect_timeout_s), float(timeout_s), secret, ports,
+              authenticate_values, threaded_bytes)
+  rings = introspect.record_of(strategy).rings
   with _lock:
-    entry = _rings.get(cache_key)
-    if entry is not None and entry[0]() is strategy:
-      return entry[1]
+    if settings in rings:
+      return rings[settings]
     rank, hosts, names = peers(strategy)
     # Rings are numbered in the order the program makes them, the same on
     # every worker (the same program runs everywhere).
-    key = f"{_KEY_PREFIX}/{_ring_count}"
-    _ring_count += 1
+    key = f"{_KEY_PREFIX}/{len(_every_ring)}"
     ring = ring_lib.SocketRing(
         rank=rank, hosts=hosts, names=names,
         rendezvous=CoordinationRendezvous(), key=key,
@@ -549,17 +570,17 @@ def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
         source=f"{_SOURCE}, cluster resolver", secret=secret, ports=ports,
         authenticate_values=authenticate_values,
         threaded_bytes=threaded_bytes)
-    _rings[cache_key] = (weakref.ref(strategy), ring)
-    if not _atexit_registered:
+    rings[settings] = ring
+    if not _every_ring:
       atexit.register(close_transports)
-      _atexit_registered = True
+    _every_ring.append(ring)
     return ring
 
 
 def rings_of(strategy) -> list[ring_lib.SocketRing]:
   """The socket rings this process made for ``strategy``'s workers."""
   with _lock:
-    return [ring for ref, ring in _rings.values() if ref() is strategy]
+    return list(introspect.record_of(strategy).rings.values())
 
 
 def failure_of(strategy) -> BaseException | None:
@@ -581,7 +602,7 @@ def close_transports() -> None:
   in this process fails.
   """
   with _lock:
-    rings = [ring for _, ring in _rings.values()]
+    rings = list(_every_ring)
   for ring in rings:
     ring.close()
 
@@ -645,7 +666,7 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
   if not packed:
     return result
   tensors = [dense[i] for i in packed]
-  wire = _WIRE[compression]
+  wire = get_compression(compression).ring_wire
   tag = _signature(tensors)
   packed_inputs = [_packed([tensors[i] for i in group])
                    for group in _groups(tensors)]
