@@ -122,6 +122,10 @@ class GradientOptions:
     socket_authenticate_values: ``socket`` transport: also tag every step's
       bytes with an HMAC, so values altered on the way fail the step (costs
       hashing every byte; needs a secret).
+    bucket_bytes: ``socket`` transport: gradients cross in buckets of at
+      most this many float32 bytes, the last layers' first, each as soon as
+      the backward pass has made it, while the pass goes on (DDP's 25 MiB by
+      default; docs/benchmarks.md); 0 sends them all after the pass.
   """
   compression: str = "none"
   bytes_per_pack: int = 0
@@ -131,13 +135,16 @@ class GradientOptions:
   socket_secret: str | None = dataclasses.field(default=None, repr=False)
   socket_ports: str | None = None
   socket_authenticate_values: bool = False
+  bucket_bytes: int = 25 << 20
 
   def __post_init__(self):
     get_compression(self.compression)  # Validates the name.
+    for field in ("bytes_per_pack", "bucket_bytes"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(field=field, value=value, source=_SOURCE,
+                          expected="an integer >= 0")
     value = self.bytes_per_pack
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-      raise ConfigError(field="bytes_per_pack", value=value, source=_SOURCE,
-                        expected="an integer >= 0")
     if self.transport not in TRANSPORTS:
       raise ConfigError(field="transport", value=self.transport,
                         source=_SOURCE, expected=f"one of {list(TRANSPORTS)}")

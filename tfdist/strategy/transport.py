@@ -40,9 +40,13 @@ The ``socket`` transport, step by step:
   strategy with a single replica (nothing to reduce: gradients pass through).
   Several local replicas per worker, ParameterServerStrategy,
   CentralStorageStrategy and TPUStrategy raise `tfdist.ConfigError`.
-* **Packing**: one all-reduce per step, of every dense floating gradient
-  cast to float32 and flattened, in the optimizer's variable order (the
-  same on every worker). A ``tf.numpy_function`` hands the ring each
+* **Buckets** (``bucket_bytes``, 25 MiB): the gradients are cut into
+  buckets, the last variables' first (`buckets`), and each bucket is summed
+  as soon as the backward pass has made it, while the pass goes on
+  (`_overlapped`); a model of fewer bytes is one bucket, summed after it.
+* **Packing**: one all-reduce per bucket, of every dense floating gradient
+  cast to float32 and flattened, in one order (the same on every
+  worker). A ``tf.numpy_function`` hands the ring each
   gradient of `ALONE_BYTES` or more as it is, and each run of smaller ones
   concatenated into one buffer; the ring sums them as one
   (`tfdist.ring.pieces`), into one buffer where each gradient starts on a
@@ -85,7 +89,10 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
+import itertools
 import os
+import queue
 import sys
 import threading
 import time
@@ -416,7 +423,8 @@ def keras_all_reduce(optimizer, grads_and_vars: list) -> list | None:
       authenticate_values=options.socket_authenticate_values,
       # As by default: an embedding's rows stay on the collectives unless
       # the ring was asked for.
-      keep_sparse=options.transport == "auto"))
+      keep_sparse=options.transport == "auto",
+      bucket_bytes=options.bucket_bytes))
 
 
 def _collective(context, grads, codec, communication) -> list:
@@ -621,7 +629,8 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
                       fallback, secret: str | None = None,
                       ports: str | None = None,
                       authenticate_values: bool = False,
-                      keep_sparse: bool = False) -> list[Any]:
+                      keep_sparse: bool = False,
+                      bucket_bytes: int = 0) -> list[Any]:
   """Sums ``grads`` over the workers through the socket ring.
 
   Call in a replica context, with the gradients of one step in the same order
@@ -641,6 +650,9 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
     keep_sparse: ``IndexedSlices`` go to ``fallback`` as they are (an
       embedding's rows, gathered by TensorFlow's collectives) instead of
       being made dense for the ring (its whole table every step).
+    bucket_bytes: cut the gradients into buckets of at most this many
+      float32 bytes, last variable first, each summed as soon as it exists
+      (`buckets`); 0 sums them all in one call after the backward pass.
 
   Returns:
     The summed gradients, each in its gradient's dtype; dense, but those
@@ -667,6 +679,51 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
     return result
   tensors = [dense[i] for i in packed]
   wire = get_compression(compression).ring_wire
+  groups = buckets(tensors, bucket_bytes)
+  if len(groups) == 1:
+    args, reduce = _bucket(ring, tensors, wire, _SUMS)
+    sums = tf.numpy_function(reduce, args, [tf.float32] * len(tensors),
+                             stateful=True, name="tfdist_socket_all_reduce")
+  else:
+    sums = _overlapped(ring, tensors, wire, groups,
+                       bound_s=connect_timeout_s + timeout_s * len(groups))
+  for i, g, piece in zip(packed, tensors, sums):
+    static = g.shape.is_fully_defined()
+    piece.set_shape([g.shape.num_elements() if static else None])
+    shape = g.shape if static else tf.shape(g)
+    result[i] = tf.cast(tf.reshape(piece, shape), g.dtype)
+  return result
+
+
+def buckets(tensors: Sequence[tf.Tensor], bucket_bytes: int
+            ) -> list[list[int]]:
+  """Indices of ``tensors`` cut into buckets of at most ``bucket_bytes``.
+
+  Last first: TensorFlow computes a model's gradients in the reverse order
+  of its variables, layer by layer (measured on CPU, in ``fit`` and in a
+  hand-written step alike), so each bucket is whole as early as it can be.
+  A gradient larger than ``bucket_bytes`` is a bucket alone. One bucket of
+  all, in order, when ``bucket_bytes`` is 0 or a size is not known when
+  traced.
+  """
+  sizes = [g.shape.num_elements() for g in tensors]
+  if not bucket_bytes or None in sizes:
+    return [list(range(len(tensors)))]
+  out: list[list[int]] = []
+  filled = 0
+  for i in reversed(range(len(tensors))):
+    if out and filled + sizes[i] * 4 <= bucket_bytes:
+      out[-1].append(i)
+      filled += sizes[i] * 4
+    else:
+      out.append([i])
+      filled = sizes[i] * 4
+  return out
+
+
+def _bucket(ring, tensors: Sequence[tf.Tensor], wire: str, sums: "_Buffers"):
+  """The inputs of one all-reduce of ``tensors`` and the numpy function
+  that sums them (into a buffer of ``sums``) and returns each one's sum."""
   tag = _signature(tensors)
   packed_inputs = [_packed([tensors[i] for i in group])
                    for group in _groups(tensors)]
@@ -685,7 +742,7 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
     if in_place:
       out = xs[0]
     else:
-      out = _SUMS.take(sum(c + (-c % _ALIGN) for c in sizes.tolist()))
+      out = sums.take(sum(c + (-c % _ALIGN) for c in sizes.tolist()))
     outs, start = [], 0
     for x in xs:  # Each input's place in the packed layout of `_views`.
       outs.append(out[start:start + x.size])
@@ -693,15 +750,102 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
     ring.all_reduce(xs, wire=wire, tag=tag, out=outs)
     return _views(out, sizes)
 
-  summed = tf.numpy_function(reduce, inputs + [counts],
-                             [tf.float32] * len(tensors), stateful=True,
-                             name="tfdist_socket_all_reduce")
-  for i, g, piece in zip(packed, tensors, summed):
-    static = g.shape.is_fully_defined()
-    piece.set_shape([g.shape.num_elements() if static else None])
-    shape = g.shape if static else tf.shape(g)
-    result[i] = tf.cast(tf.reshape(piece, shape), g.dtype)
-  return result
+  return inputs + [counts], reduce
+
+
+def _overlapped(ring, tensors, wire: str, groups: list[list[int]], *,
+                bound_s: float) -> list[tf.Tensor]:
+  """Each of ``groups`` summed as soon as its gradients exist.
+
+  Bucket k has two ops. ``start_k`` only hands its gradients to the ring's
+  `_Courier` thread, so no inter-op thread of TensorFlow waits on the
+  network while the backward pass runs; graph execution is dataflow, so it
+  runs as soon as its gradients exist, although it was issued after the
+  whole backward pass. Each ``start_k`` follows ``start_{k-1}``, so every
+  worker's thread sums the buckets in the same order. ``finish_k`` waits for
+  bucket k's sums; it follows the last ``start`` and ``finish_{k-1}``, so it
+  holds no thread before the backward pass is done.
+  """
+  courier = _courier_of(ring)
+  sums: list[Any] = [None] * len(tensors)
+  tickets, previous = [], []
+  for k, group in enumerate(groups):
+    args, reduce = _bucket(ring, [tensors[i] for i in group], wire,
+                           _Buffers(sizes=1))
+    def start(*arrays, reduce=reduce):
+      return np.int64(courier.start(functools.partial(reduce, *arrays)))
+    with tf.control_dependencies(previous):
+      ticket = tf.numpy_function(start, args, tf.int64, stateful=True,
+                                 name=f"tfdist_bucket_start_{k}")
+    tickets.append(ticket)
+    previous = [ticket]
+  for k, group in enumerate(groups):
+    with tf.control_dependencies(previous):
+      summed = tf.numpy_function(
+          lambda ticket: courier.finish(int(ticket), bound_s), [tickets[k]],
+          [tf.float32] * len(group), stateful=True,
+          name=f"tfdist_bucket_finish_{k}")
+    previous = [summed[0]]
+    for i, piece in zip(group, summed):
+      sums[i] = piece
+  return sums
+
+
+class _Courier:
+  """A ring's thread that sums buckets one after another, in the order
+  their start ops handed them over (`_overlapped`)."""
+
+  def __init__(self, ring):
+    self._ring = ring
+    self._inbox: "queue.Queue[tuple[int, Callable]]" = queue.Queue()
+    self._done: dict[int, Any] = {}
+    self._cv = threading.Condition()
+    self._tickets = itertools.count()
+    threading.Thread(target=self._run, daemon=True,
+                     name="tfdist-buckets").start()
+
+  def start(self, work: Callable[[], Any]) -> int:
+    """Queues ``work``; returns the ticket `finish` takes."""
+    ticket = next(self._tickets)
+    self._inbox.put((ticket, work))
+    return ticket
+
+  def finish(self, ticket: int, bound_s: float) -> Any:
+    """What ``ticket``'s work returned, or the error it raised."""
+    deadline = time.monotonic() + bound_s
+    with self._cv:
+      while ticket not in self._done:
+        left = deadline - time.monotonic()
+        if left <= 0:
+          raise StartupTimeoutError(
+              f"socket transport: a gradient bucket was not summed within "
+              f"{bound_s:.0f} s")
+        self._cv.wait(left)
+      result = self._done.pop(ticket)
+    if isinstance(result, BaseException):
+      raise result
+    return result
+
+  def _run(self) -> None:
+    while True:
+      ticket, work = self._inbox.get()
+      try:
+        result = work()
+      except BaseException as e:  # pylint: disable=broad-except
+        result = self._ring.failure or e
+      with self._cv:
+        self._done[ticket] = result
+        self._cv.notify_all()
+
+
+def _courier_of(ring) -> _Courier:
+  with _lock:
+    if ring not in _couriers:
+      _couriers[ring] = _Courier(ring)
+    return _couriers[ring]
+
+
+_couriers: "dict[Any, _Courier]" = {}
 
 
 #: Each gradient starts at a multiple of this many float32 values (64 bytes,
