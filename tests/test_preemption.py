@@ -6,8 +6,10 @@ saving at the same step, then reruns the job and checks that it finishes with
 exactly the steps due and the weights of an uninterrupted run.
 """
 
+import concurrent.futures
 import os
 import re
+import shutil
 import signal
 import tempfile
 import time
@@ -38,17 +40,46 @@ def preempt(configs, args, *, target, signum, after_step, timeout=240):
     return codes, stalls.running_since(sent), tasks
 
 
+def _preempted_twice(d, loop):
+  """A single-process run preempted after step 3 and again after step 10,
+  then run to its end.
+
+  Returns:
+    Each preemption's exit codes, seconds from the signal to the exit and
+    stderr; the last run's JSON; whether its backup was kept.
+  """
+  os.makedirs(d)
+  args = ["mirrored", loop, os.path.join(d, "b")]
+  preemptions = []
+  for after in (3, 10):
+    codes, seconds, tasks = preempt([None], args, target=0,
+                                    signum=signal.SIGTERM, after_step=after)
+    preemptions.append((codes, seconds, tasks.stderr(0)))
+  out = cluster_utils.run_to_end(fault_runs.JOB,
+                                 args=[*args, "--sleep", "0"])[0]
+  return preemptions, out, os.path.exists(os.path.join(d, "b"))
+
+
 @pytest.mark.timeout(420)
 class PreemptionTest(parameterized.TestCase):
 
   @classmethod
   def setUpClass(cls):
+    """The references, then test_single_process_preempted_twice's runs, two
+    single processes at a time (the load of one 2-worker cluster)."""
     super().setUpClass()
-    with tempfile.TemporaryDirectory() as d:
-      cls.fit_reference = fault_runs.reference(d, "fit")
+    d = tempfile.mkdtemp()
+    cls.addClassCleanup(shutil.rmtree, d, ignore_errors=True)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      fit, runner = (pool.submit(fault_runs.reference, d, loop)
+                     for loop in ("fit", "runner"))
+      cls.fit_reference, cls.runner_reference = fit.result(), runner.result()
       # Plain model.fit with tfdist.BackupAndRestore trains the same steps.
       cls.keras_reference = cls.fit_reference
-      cls.runner_reference = fault_runs.reference(d, "runner")
+      cls.preempted_twice = {
+          loop: pool.submit(_preempted_twice, os.path.join(d, loop), loop)
+          for loop in ("fit", "keras")}
+    # Leaving the block waited for them; a failure is raised in its test.
 
   @parameterized.named_parameters(
       # One worker gets the signal, as from a cloud preemption of one node.
@@ -86,18 +117,13 @@ class PreemptionTest(parameterized.TestCase):
   @parameterized.parameters("fit", "keras")
   def test_single_process_preempted_twice(self, loop):
     """Preempted twice in a row, a run still finishes exactly."""
-    with tempfile.TemporaryDirectory() as d:
-      args = ["mirrored", loop, os.path.join(d, "b")]
-      for after in (3, 10):
-        codes, seconds, tasks = preempt([None], args, target=0,
-                                        signum=signal.SIGTERM,
-                                        after_step=after)
-        self.assertEqual(codes, [tfdist.PREEMPTED_EXIT_CODE],
-                         cluster_utils.tail(tasks.stderr(0)))
-        self.assertLess(seconds, 20)
-      out = cluster_utils.run_to_end(fault_runs.JOB,
-                                     args=[*args, "--sleep", "0"])[0]
-      self.assertFalse(os.path.exists(os.path.join(d, "b")))
+    preemptions, out, backup_kept = self.preempted_twice[loop].result()
+    self.assertLen(preemptions, 2)
+    for codes, seconds, stderr in preemptions:
+      self.assertEqual(codes, [tfdist.PREEMPTED_EXIT_CODE],
+                       cluster_utils.tail(stderr))
+      self.assertLess(seconds, 20)
+    self.assertFalse(backup_kept)
     fault_runs.assert_like(self, out, self.fit_reference)
 
 
