@@ -65,6 +65,17 @@ class TwoNodeSlurmTest(absltest.TestCase):
     cls.bed.close()
     super().tearDownClass()
 
+  _reference: dict | None = None
+
+  def reference(self) -> dict:
+    """`fault_runs.reference`, run once for the class's tests."""
+    cls = type(self)
+    if cls._reference is None:
+      directory = tempfile.mkdtemp(prefix="tfdist-reference-")
+      cls.addClassCleanup(shutil.rmtree, directory, ignore_errors=True)
+      cls._reference = fault_runs.reference(directory)
+    return cls._reference
+
   def test_node_names_resolve_nowhere_but_node_addr_does(self):
     r = self.slurm.srun(["-N", "2", "getent", "hosts", "node1"], timeout=60)
     self.assertNotEqual(r.returncode, 0, r.stdout)  # node2 cannot.
@@ -79,18 +90,16 @@ class TwoNodeSlurmTest(absltest.TestCase):
                                self.bed.address("node2")})
 
   def test_multi_worker_mirrored_all_reduce_across_two_nodes(self):
-    r = self.slurm.srun(["-N", "2", "--ntasks-per-node=1", sys.executable,
-                         ALLREDUCE, "multi_worker_mirrored"], env=_ENV,
-                        timeout=240)
-    self.assertEqual(r.returncode, 0, r.stderr[-3000:])
-    results = _json_lines(r.stdout)
-    self.assertLen(results, 2, r.stdout)
+    # The generated script's srun: one task on each node.
+    job, out = self.generated_sbatch_allreduce()
+    results = _json_lines(out)
+    self.assertLen(results, 2, out)
     for result in results:
-      self.assertEqual((result["replicas"], result["sum"]), (2, 3.0))
+      self.assertEqual((result["replicas"], result["sum"]), (2, 3.0), out)
       # resolve_cluster reads SLURM's node names; the strategy dialled
       # their NodeAddr, since the names resolve nowhere.
       hosts = {a.rsplit(":", 1)[0] for a in result["cluster"]["worker"]}
-      self.assertEqual(hosts, {"node1", "node2"})
+      self.assertEqual(hosts, {"node1", "node2"}, job)
 
   def test_two_tasks_per_node_train_with_fit(self):
     r = self.slurm.srun(["-N", "2", "--ntasks-per-node=2", sys.executable,
@@ -119,7 +128,14 @@ class TwoNodeSlurmTest(absltest.TestCase):
     # Cyclic placement: ranks 0 (chief) and 2 (worker) on node1, 1 (ps) and
     # 3 (worker) on node2; the chief reached the ps on the other node.
 
-  def test_generated_sbatch_script_on_two_nodes(self):
+  _allreduce: tuple[str, str] | None = None
+
+  def generated_sbatch_allreduce(self) -> tuple[str, str]:
+    """The job id and output of a `tfdist slurm` script (2 nodes, one task
+    each) running allreduce.py; submitted once for the class's tests."""
+    cls = type(self)
+    if cls._allreduce is not None:
+      return cls._allreduce
     with tempfile.TemporaryDirectory() as d:
       script = os.path.join(d, "job.sbatch")
       subprocess.run(
@@ -130,9 +146,13 @@ class TwoNodeSlurmTest(absltest.TestCase):
            "multi_worker_mirrored"], check=True, timeout=60,
           env=cluster_utils.base_env(), cwd=cluster_utils.REPO)
       os.chmod(d, 0o755)
-      job, out = self.slurm.sbatch(script, args=[
+      cls._allreduce = self.slurm.sbatch(script, args=[
           f"--export=ALL,PYTHONPATH={cluster_utils.REPO},"
           "TF_CPP_MIN_LOG_LEVEL=2"], timeout=300)
+    return cls._allreduce
+
+  def test_generated_sbatch_script_on_two_nodes(self):
+    job, out = self.generated_sbatch_allreduce()
     results = _json_lines(out)
     self.assertLen(results, 2, out)
     for result in results:
@@ -208,7 +228,7 @@ class TwoNodeSlurmTest(absltest.TestCase):
     directory = tempfile.mkdtemp(prefix="tfdist-requeue-")
     self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
     os.chmod(directory, 0o755)
-    reference = fault_runs.reference(directory)
+    reference = self.reference()
     # The first node goes away for new work: the requeued job must move.
     first_node, state, restarts, second_node, first, second = (
         self._fault_job_requeued(
@@ -234,7 +254,7 @@ class TwoNodeSlurmTest(absltest.TestCase):
     directory = tempfile.mkdtemp(prefix="tfdist-resize-")
     self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
     os.chmod(directory, 0o755)
-    reference = fault_runs.reference(directory)
+    reference = self.reference()
     script = os.path.join(directory, "job.sbatch")
     subprocess.run(
         [sys.executable, "-m", "tfdist", "slurm", "--preset",

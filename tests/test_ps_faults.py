@@ -8,7 +8,8 @@ each in its own process with its own TF_CONFIG, and SIGKILLs one of them:
   worker on the same address gets steps again, and fit completes every step;
 * the ps: the coordinator raises WorkerLostError naming the ps within
   seconds; relaunching the cluster with the same backup_dir resumes from the
-  last backup, restored onto the new ps;
+  last backup, restored onto the new ps (one chain with USR1 to every task
+  before it: saved, exit 42, resumed by the run whose ps is killed);
 * the chief: the ps and worker servers end by themselves, as they do when it
   ends normally or with an error; a server whose chief never starts gives up
   after tfdist.serve's chief_timeout.
@@ -82,13 +83,6 @@ class _PsClusterTest(absltest.TestCase):
     self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
     self.backup = os.path.join(directory, "b")
 
-  def relaunch(self, args):
-    """The whole cluster again, on the same addresses with the same backup,
-    without sleeping, to the end; the chief's JSON result."""
-    with _cluster(self.configs, [*args, "--sleep", "0"]) as c:
-      self.assertEqual(c.wait(CHIEF, 150), 0, tail(c.stderr(CHIEF)))
-      return c.json(CHIEF)
-
 
 @pytest.mark.timeout(200)
 class WorkerLostTest(_PsClusterTest):
@@ -135,78 +129,97 @@ class WorkerLostTest(_PsClusterTest):
     self.assertIn("Worker /job:worker/replica:0/task:1 failed", chief_err)
 
 
-@pytest.mark.timeout(240)
-class PsLostTest(_PsClusterTest):
+@pytest.mark.timeout(360)
+class PreemptedThenPsLostTest(absltest.TestCase):
+  """One chain of clusters on the same addresses and backup: USR1 to every
+  task, which saves and exits 42; a relaunch that resumes there until its ps
+  is SIGKILLed, a clear error; a relaunch that resumes from that run's last
+  backup and trains to the end. Every test reads the chain's results."""
 
-  def test_sigkilled_ps_is_a_clear_error_and_relaunch_resumes(self):
-    epochs = 3
-    ps_address = self.configs[PS]["cluster"]["ps"][0]
-    # A backup after every step (with a join before it): steps do not
-    # overlap, so the optimizer's iterations count them exactly.
-    args = [self.backup, "--epochs", str(epochs), "--backup-every", "1",
-            "--no-reads"]
-    with _cluster(self.configs, [*args, "--sleep", "0.3"]) as c:
+  EPOCHS = 4
+  TOTAL = EPOCHS * STEPS
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    configs = _configs()
+    cls.ps_address = configs[PS]["cluster"]["ps"][0]
+    directory = tempfile.mkdtemp(prefix="tfdist-ps-faults-")
+    cls.addClassCleanup(shutil.rmtree, directory, ignore_errors=True)
+    backup = os.path.join(directory, "b")
+    # Preempted: backups only on the signal, so steps overlap.
+    preempt_args = [backup, "--epochs", str(cls.EPOCHS), "--backup-every",
+                    "1000", "--no-reads"]
+    with _cluster(configs, [*preempt_args, "--sleep", "0.3"]) as c:
       c.wait_for(CHIEF, lambda l: _scheduled(l) >= 4, 150)
-      killed = time.monotonic()
-      c.kill(PS)
-      code = c.wait(CHIEF, 60)
-      to_error = stalls.running_since(killed)
-      # With the chief gone, the workers stop serving by themselves.
-      worker_codes = [c.wait(i, 30) for i in (WORKER0, WORKER1)]
-      chief_err = c.stderr(CHIEF)
-    saved = _latest_checkpoint_number(self.backup)
-    out = self.relaunch(args)
-    print(f"chief exited {to_error:.1f} s after the ps kill; backup at step "
-          f"{saved}; resumed: {dict(out, weights=None)}\n"
-          + next((l for l in chief_err.splitlines()
-                  if l.startswith("tfdist.errors.")), "no tfdist error"))
-    self.assertEqual(code, 1, tail(chief_err))
-    self.assertLess(to_error, 30)
-    self.assertEqual(worker_codes, [0, 0])
-    self.assertIn("WorkerLostError", chief_err)
-    self.assertIn(f"chief:0: parameter server task ps:0 at {ps_address} was "
-                  "lost mid-training", chief_err)
-    self.assertIn("restart the whole cluster", chief_err)
-    self.assertIsNotNone(saved)
-    self.assertBetween(saved, 1, epochs * STEPS - 1)
-    # The new ps holds the restored variables: training starts at the saved
-    # step, schedules only the rest and ends with every step applied.
-    self.assertEqual(out["start"], saved)
-    self.assertEqual(out["scheduled"], epochs * STEPS - saved)
-    self.assertEqual(out["iterations"], epochs * STEPS)
-
-
-@pytest.mark.timeout(240)
-class PreemptedTest(_PsClusterTest):
-
-  def test_usr1_to_every_task_saves_exits_42_and_resumes(self):
-    """As srun forwards SLURM's USR1: every task gets it at once. The servers
-    keep serving while the chief saves (the backup reads the ps), then end;
-    the chief exits 42 and a relaunch resumes at the saved step."""
-    epochs = 3
-    args = [self.backup, "--epochs", str(epochs), "--backup-every", "1000",
-            "--no-reads"]
-    with _cluster(self.configs, [*args, "--sleep", "0.3"]) as c:
-      c.wait_for(CHIEF, lambda l: _scheduled(l) >= 4, 150)
+      # As srun forwards SLURM's USR1: every task gets it at once. The
+      # servers keep serving while the chief saves (the backup reads the
+      # ps), then end.
       for index in (PS, WORKER0, WORKER1, CHIEF):
         c.signal(index, signal.SIGUSR1)
-      codes = [c.wait(i, 60) for i in (CHIEF, WORKER0, WORKER1, PS)]
-      chief_err = c.stderr(CHIEF)
-      ps_err = c.stderr(PS)
-      served = [(SERVED in c.stderr(i)) for i in (WORKER0, WORKER1, PS)]
-    saved = _latest_checkpoint_number(self.backup)
-    out = self.relaunch(args)
-    self.assertEqual(codes, [tfdist.PREEMPTED_EXIT_CODE, 0, 0, 0],
-                     tail(chief_err))
-    self.assertEqual(served, [True] * 3)
-    self.assertIn("SIGUSR1 received by ps:0: serving until the chief", ps_err)
-    self.assertIn("checkpoint saved at step", chief_err)
-    self.assertBetween(saved, 4, epochs * STEPS - 1)
-    # Resumed at the saved position, counted on the coordinator; overlapping
-    # steps count exactly in the optimizer's iterations too (keras_compat's
-    # atomic_assign_add).
-    self.assertEqual(out["scheduled"], epochs * STEPS - saved)
-    self.assertEqual(out["iterations"], epochs * STEPS)
+      cls.usr1_codes = [c.wait(i, 60) for i in (CHIEF, WORKER0, WORKER1, PS)]
+      cls.usr1_chief_err = c.stderr(CHIEF)
+      cls.usr1_ps_err = c.stderr(PS)
+      cls.usr1_served = [(SERVED in c.stderr(i))
+                         for i in (WORKER0, WORKER1, PS)]
+    cls.usr1_saved = _latest_checkpoint_number(backup)
+    # PS lost: a backup after every step (with a join before it).
+    with _cluster(configs, [backup, "--epochs", str(cls.EPOCHS),
+                            "--backup-every", "1", "--no-reads", "--sleep",
+                            "0.3"]) as c:
+      cls.resumed_line = c.wait_for(CHIEF, lambda l: _scheduled(l) >= 0, 150)
+      c.wait_for(CHIEF, lambda l: _scheduled(l) >= (cls.usr1_saved or 0) + 3,
+                 150)
+      killed = time.monotonic()
+      c.kill(PS)
+      cls.kill_code = c.wait(CHIEF, 60)
+      cls.to_error = stalls.running_since(killed)
+      # With the chief gone, the workers stop serving by themselves.
+      cls.kill_worker_codes = [c.wait(i, 30) for i in (WORKER0, WORKER1)]
+      cls.kill_chief_err = c.stderr(CHIEF)
+    cls.kill_saved = _latest_checkpoint_number(backup)
+    # The whole cluster again, without sleeping, to the end.
+    with _cluster(configs, [*preempt_args, "--sleep", "0"]) as c:
+      code = c.wait(CHIEF, 150)
+      assert code == 0, tail(c.stderr(CHIEF))
+      cls.out = c.json(CHIEF)
+    print(f"chief exited {cls.to_error:.1f} s after the ps kill; saved at "
+          f"step {cls.usr1_saved} (USR1), {cls.kill_saved} (ps kill); "
+          f"resumed: {dict(cls.out, weights=None)}\n"
+          + next((l for l in cls.kill_chief_err.splitlines()
+                  if l.startswith("tfdist.errors.")), "no tfdist error"))
+
+  def test_usr1_to_every_task_saves_exits_42_and_resumes(self):
+    self.assertEqual(self.usr1_codes, [tfdist.PREEMPTED_EXIT_CODE, 0, 0, 0],
+                     tail(self.usr1_chief_err))
+    self.assertEqual(self.usr1_served, [True] * 3)
+    self.assertIn("SIGUSR1 received by ps:0: serving until the chief",
+                  self.usr1_ps_err)
+    self.assertIn("checkpoint saved at step", self.usr1_chief_err)
+    self.assertIsNotNone(self.usr1_saved)
+    self.assertBetween(self.usr1_saved, 4, self.TOTAL - 4)
+    # The relaunch resumed at the saved position, counted on the
+    # coordinator: its first step is the one after it.
+    self.assertEqual(_scheduled(self.resumed_line), self.usr1_saved + 1)
+
+  def test_sigkilled_ps_is_a_clear_error_and_relaunch_resumes(self):
+    self.assertEqual(self.kill_code, 1, tail(self.kill_chief_err))
+    self.assertLess(self.to_error, 30)
+    self.assertEqual(self.kill_worker_codes, [0, 0])
+    self.assertIn("WorkerLostError", self.kill_chief_err)
+    self.assertIn(f"chief:0: parameter server task ps:0 at {self.ps_address} "
+                  "was lost mid-training", self.kill_chief_err)
+    self.assertIn("restart the whole cluster", self.kill_chief_err)
+    self.assertIsNotNone(self.kill_saved)
+    self.assertIsNotNone(self.usr1_saved)
+    self.assertBetween(self.kill_saved, self.usr1_saved + 1, self.TOTAL - 1)
+    # The new ps holds the restored variables: training starts at the saved
+    # step, schedules only the rest and ends with every step applied;
+    # overlapping steps count exactly in the optimizer's iterations too
+    # (keras_compat's atomic_assign_add).
+    self.assertEqual(self.out["start"], self.kill_saved)
+    self.assertEqual(self.out["scheduled"], self.TOTAL - self.kill_saved)
+    self.assertEqual(self.out["iterations"], self.TOTAL)
 
 
 @pytest.mark.timeout(300)

@@ -1,7 +1,7 @@
 """Every backup entry point, stopped and resumed; run on any number of workers.
 
 Usage: resize_job.py ROOT [--stop K] [--stop-epoch E] [--per-replica-steps P]
-                       [--ps WORKERS PS] [--only ENTRY ...]
+                       [--ps WORKERS PS] [--only ENTRY ...] [--reference DIR]
 
 One task per worker (TF_CONFIG; none for one process). The entry points run
 one after another in this process, each backing up to ROOT/<entry>:
@@ -28,6 +28,10 @@ step K is backed up (a `Stop` raised before step K + 1), or train to the end
 without ``--stop``. The last line is JSON: per entry, ``weights`` after each
 step this run saw (by the optimizer's iterations, the restored ones first)
 and ``start``, the iterations when training began.
+
+With ``--reference DIR`` (one process) the entry points of global batch 12
+then run again in this process, uninterrupted, backing up under DIR; their
+records are under ``reference`` in the JSON.
 """
 
 import argparse
@@ -44,6 +48,8 @@ parser.add_argument("--stop", type=int, default=None)
 parser.add_argument("--stop-epoch", type=int, default=None)
 parser.add_argument("--per-replica-steps", type=int, default=None)
 parser.add_argument("--only", nargs="*", help="these entry points alone")
+parser.add_argument("--reference", default=None, metavar="DIR",
+                    help="then an uninterrupted run, backing up under DIR")
 parser.add_argument("--ps", nargs=2, type=int, default=None,
                     metavar=("WORKERS", "PS"),
                     help="ParameterServerStrategy on a local cluster")
@@ -67,7 +73,8 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 G, N, EPOCHS = 12, 48, 5  # 4 steps per epoch, 20 in all.
 x, y = job_common.data(N)
-results = {}
+root = args.root
+results = out = {}
 
 
 class Stop(Exception):
@@ -107,7 +114,7 @@ def model():
 
 
 def directory(entry: str) -> str:
-  return os.path.join(args.root, entry)
+  return os.path.join(root, entry)
 
 
 def fit_arrays(stop):
@@ -131,7 +138,10 @@ def keras_tfdist(stop):
 
 
 def keras_own(stop):
-  stop = None if args.stop_epoch is None else args.stop_epoch * N // G
+  if stop is not None and args.stop_epoch is not None:
+    stop = args.stop_epoch * N // G
+  else:
+    stop = None
   model().fit(x, y, batch_size=G, epochs=EPOCHS, shuffle=False, verbose=0,
               callbacks=[keras.callbacks.BackupAndRestore(
                   directory("keras_own")), Record("keras_own", stop)])
@@ -228,4 +238,9 @@ for name, entry in entries.items():
     entry(args.stop)
   except Stop:
     pass
-print(json.dumps(results), flush=True)
+if args.reference:
+  root, results = args.reference, out.setdefault("reference", {})
+  for name, entry in entries.items():
+    if name != "fit_per_replica":
+      entry(None)
+print(json.dumps(out), flush=True)
