@@ -1,5 +1,6 @@
 """`tfdist info` and the CLI's error contract, run as real processes."""
 
+import functools
 import json
 import os
 import platform
@@ -13,6 +14,7 @@ from absl.testing import parameterized
 
 import cluster_utils
 import tfdist
+from tfdist import report as tfdist_report
 from tfdist._compat import keras as keras_compat
 
 TWO_WORKERS = {"cluster": {"worker": ["127.0.0.1:{p0}", "127.0.0.1:{p1}"]},
@@ -39,12 +41,19 @@ def _addresses():
   return sorted(a for a in found if not a.startswith("127."))
 
 
+@functools.cache
+def _local_report():
+  """`tfdist info --json` on this machine alone: the result and the report
+  (whose text form `tfdist info` prints, through report.format_report)."""
+  r = _tfdist("info", "--json")
+  return r, json.loads(r.stdout) if r.returncode == 0 else None
+
+
 class InfoTest(parameterized.TestCase):
 
   def test_json_local(self):
-    r = _tfdist("info", "--json")
+    r, report = _local_report()
     self.assertEqual(r.returncode, 0, r.stderr)
-    report = json.loads(r.stdout)
     for key in ("source", "task_type", "task_id", "cluster", "strategy",
                 "strategy_reason", "versions", "devices", "checks"):
       self.assertIn(key, report)
@@ -123,16 +132,17 @@ class InfoTest(parameterized.TestCase):
     self.assertIn(f"gradients: {transport} transport ({why}", r.stdout)
 
   @parameterized.named_parameters(
-      ("transport_one_process", False, "TFDIST_TRANSPORT", "tcp",
-       "expected one of ['auto', 'collective', 'socket']"),
-      ("transport_two_workers", True, "TFDIST_TRANSPORT", "tcp",
-       "expected one of ['auto', 'collective', 'socket']"),
-      ("ring_ports_one_process", False, "TFDIST_RING_PORTS", "70000",
-       "expected a port or a range FIRST-LAST within 1-65535"),
+      # One process reads neither variable, yet says each is wrong.
+      ("transport_and_ring_ports_one_process", False,
+       {"TFDIST_TRANSPORT": "tcp", "TFDIST_RING_PORTS": "70000"}),
+      ("transport_two_workers", True, {"TFDIST_TRANSPORT": "tcp"}),
   )
-  def test_a_bad_transport_variable_fails_the_check(self, cluster, variable,
-                                                    value, expected):
-    env = {variable: value}
+  def test_a_bad_transport_variable_fails_the_check(self, cluster, env):
+    expected = {
+        "TFDIST_TRANSPORT": "expected one of ['auto', 'collective', 'socket']",
+        "TFDIST_RING_PORTS": "expected a port or a range FIRST-LAST within "
+                             "1-65535, e.g. 20000-20100"}
+    env = dict(env)
     if cluster:
       p0, p1 = cluster_utils.free_ports(2)
       env["TF_CONFIG"] = json.dumps(TWO_WORKERS).replace(
@@ -141,9 +151,9 @@ class InfoTest(parameterized.TestCase):
     self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
     failed = [l for l in r.stdout.splitlines() if "[FAIL]" in l]
     self.assertEqual(failed, [f"check:    [FAIL] {variable}: received "
-                              f"{value!r}; {expected}" + (
-                                  ", e.g. 20000-20100" if "PORTS" in variable
-                                  else "")])
+                              f"{value!r}; {expected[variable]}"
+                              for variable, value in env.items()
+                              if variable in expected])
     self.assertNotIn("gradients:", r.stdout)  # Nothing to say until fixed.
 
   def test_port_taken_fails_the_check(self):
@@ -159,16 +169,19 @@ class InfoTest(parameterized.TestCase):
     self.assertIn("listens on port", r.stdout)
 
   def test_text_report(self):
-    r = _tfdist("info")
+    # The text `tfdist info` prints of test_json_local's report (the CLI's
+    # text form itself: the tests of [FAIL] lines and of the transport).
+    r, report = _local_report()
     self.assertEqual(r.returncode, 0, r.stderr)
-    self.assertIn("strategy: default", r.stdout)
-    self.assertNotIn("gradients:", r.stdout)  # One process: nothing crosses.
+    text = tfdist_report.format_report(report)
+    self.assertIn("strategy: default", text)
+    self.assertNotIn("gradients:", text)  # One process: nothing crosses.
     self.assertIn(f"system:   {platform.platform()}, {os.cpu_count()} CPUs",
-                  r.stdout)
-    self.assertIn("cuda:     built with CUDA ", r.stdout)
+                  text)
+    self.assertIn("cuda:     built with CUDA ", text)
     self.assertIn(f"keras:    {len(keras_compat.FIXES)} of "
                   f"{len(keras_compat.FIXES)} tfdist corrections match this "
-                  "Keras's code\n", r.stdout)
+                  "Keras's code\n", text)
 
 
 class ErrorContractTest(parameterized.TestCase):

@@ -163,7 +163,8 @@ class ChiefInProcessTest(parameterized.TestCase):
 class MultiWorkerCallbacksTest(absltest.TestCase):
   """2 worker processes, every callback on one shared path."""
 
-  def _run(self, root, *args):
+  @staticmethod
+  def _run(root, *args):
     tmp = tempfile.mkdtemp(dir=root, prefix="tmp-")
     results = cluster_utils.run_cluster(
         "keras_fit.py", cluster_utils.worker_configs(2),
@@ -172,9 +173,28 @@ class MultiWorkerCallbacksTest(absltest.TestCase):
     outs = [r.json() for r in results]
     return outs, results, tmp
 
+  @classmethod
+  def _chief_runs(cls):
+    """Two runs on one root, shared by the tests that read them: 2 epochs
+    (verbose="auto"), what they left; then the resume to epoch 3 (verbose
+    0), which then evaluates and predicts with TensorBoard under root/eval."""
+    if not hasattr(cls, "_chief"):
+      root = tempfile.mkdtemp()
+      cls.addClassCleanup(shutil.rmtree, root)
+      first = cls._run(root, "--epochs", "2", "--verbose", "auto")
+      out_dir = os.path.join(root, "out")
+      with open(os.path.join(out_dir, "log.csv")) as f:
+        log = f.read()
+      left = {"files": _tree(out_dir), "log.csv": log,
+              "tb_pids": _event_pids(os.path.join(out_dir, "tb")),
+              "tmp": os.listdir(first[2])}
+      second = cls._run(root, "--epochs", "3", "--evaluate_dir",
+                        os.path.join(root, "eval"))
+      cls._chief = root, first, left, second
+    return cls._chief
+
   def test_only_the_chief_writes_and_workers_clean_up(self):
-    root = _tempdir(self)
-    outs, results, tmp = self._run(root, "--epochs", "2", "--verbose", "auto")
+    root, (outs, results, _), left, second = self._chief_runs()
     for out, result in zip(outs, results):
       self.assertTrue(out["ok"], f"{out}\n{cluster_utils.tail(result.stderr)}")
       self.assertIn("chief_aware_callbacks", out["applied"])
@@ -182,7 +202,7 @@ class MultiWorkerCallbacksTest(absltest.TestCase):
     self.assertIn("Epoch 2/2", results[0].stdout)
     self.assertNotIn("Epoch", results[1].stdout)
     out_dir = os.path.join(root, "out")
-    files = _tree(out_dir)
+    files = left["files"]
     for expected in ("backup/latest.weights.h5", "backup/latest.weights.h5.bkp",
                      "backup/training_metadata.json", "best.keras",
                      "ckpt/epoch-1.weights.h5", "ckpt/epoch-2.weights.h5",
@@ -190,13 +210,12 @@ class MultiWorkerCallbacksTest(absltest.TestCase):
       self.assertIn(expected, files)
     self.assertEmpty([f for f in files if ".tfdist-staging-" in f])
     # TensorBoard: only worker 0 (the chief) wrote event files.
-    self.assertEqual(_event_pids(os.path.join(out_dir, "tb")), {outs[0]["pid"]})
-    with open(os.path.join(out_dir, "log.csv")) as f:
-      self.assertLen(f.read().splitlines(), 3)  # Header + 2 epochs, once.
+    self.assertEqual(left["tb_pids"], {outs[0]["pid"]})
+    self.assertLen(left["log.csv"].splitlines(), 3)  # Header + 2 epochs, once.
     # Worker 1's temporary directories are gone.
-    self.assertEqual(os.listdir(tmp), [])
+    self.assertEqual(left["tmp"], [])
     # Resume: both workers restore the chief's epoch 2 and train epoch 3.
-    outs, results, _ = self._run(root, "--epochs", "3")
+    outs, results, _ = second
     for out, result in zip(outs, results):
       self.assertTrue(out["ok"], f"{out}\n{cluster_utils.tail(result.stderr)}")
       self.assertLen(out["history"]["loss"], 1)
@@ -226,9 +245,8 @@ class MultiWorkerCallbacksTest(absltest.TestCase):
     self.assertEqual(os.listdir(tmp), [])
 
   def test_evaluate_and_predict_write_and_draw_from_the_chief(self):
-    root = _tempdir(self)
-    outs, results, tmp = self._run(root, "--epochs", "1", "--evaluate_dir",
-                                   os.path.join(root, "eval"))
+    # The resume's run (fit with verbose 0) then evaluates and predicts.
+    root, _, _, (outs, results, tmp) = self._chief_runs()
     for out, result in zip(outs, results):
       self.assertTrue(out["ok"], f"{out}\n{cluster_utils.tail(result.stderr)}")
     self.assertEqual(_event_pids(os.path.join(root, "eval", "tb")),

@@ -1,5 +1,6 @@
 """`tfdist launch` with real processes: roles, failures, signals, restarts."""
 
+import functools
 import hashlib
 import json
 import os
@@ -45,14 +46,21 @@ def _user_env():
   return env
 
 
-def _launch_as_a_user(mode):
-  """One worker of ``mode`` launched as a user does: the result and its
-  log file."""
+def _launch_as_a_user(mode, workers=1):
+  """``workers`` workers of ``mode`` launched as a user does: the result and
+  worker 0's log file."""
   with tempfile.TemporaryDirectory() as d:
-    r = _launch("--workers", "1", "--log-dir", d, "--", sys.executable, TASK,
-                mode, env=_user_env())
+    r = _launch("--workers", str(workers), "--log-dir", d, "--",
+                sys.executable, TASK, mode, env=_user_env())
     with open(os.path.join(d, "worker-0.log")) as f:
       return r, f.read()
+
+
+@functools.cache
+def _keras_bar():
+  """2 workers drawing a real Keras progress bar, launched as a user does
+  (one run for the tests of the bar and of TensorFlow's start-up lines)."""
+  return _launch_as_a_user("keras_bar", workers=2)
 
 
 def _pids(output):
@@ -166,11 +174,7 @@ class LaunchTest(parameterized.TestCase):
       self.assertIn(f"[{role}] role={role} pid=", r.stdout)
 
   def test_a_real_keras_progress_bar_reads_as_lines_in_a_pipe_and_log(self):
-    with tempfile.TemporaryDirectory() as d:
-      r = _launch("--workers", "2", "--log-dir", d, "--", sys.executable, TASK,
-                  "keras_bar")
-      with open(os.path.join(d, "worker-0.log")) as f:
-        log = f.read()
+    r, log = _keras_bar()
     self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
     for text in (r.stdout, log):
       self.assertNotIn("\r", text)
@@ -184,7 +188,7 @@ class LaunchTest(parameterized.TestCase):
   def test_tensorflow_start_up_lines_stay_in_the_log_not_the_console(self):
     # keras_bar imports TensorFlow; what TF_CPP_MIN_LOG_LEVEL cannot silence
     # (written before TensorFlow's logging starts) stays out of the console.
-    r, log = _launch_as_a_user("keras_bar")
+    r, log = _keras_bar()
     self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
     console = r.stdout + r.stderr
     # Which of these TensorFlow prints depends on the processor (oneDNN's

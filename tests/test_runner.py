@@ -5,7 +5,9 @@ N-replica training with global batch B must match one device with batch B
 (2 processes) and ParameterServer (synchronous schedule).
 """
 
+import functools
 import glob
+import json
 import os
 import tempfile
 
@@ -23,37 +25,63 @@ STEPS = 6
 TOLERANCE = 1e-5
 
 
-def _weights(result):
-  return np.array(result.json()["weights"])
+#: runner_job.py's arguments for the one-device reference run.
+REFERENCE = ["default", str(STEPS)]
+
+#: name, runner_job.py's arguments, replicas. The rows without ``--ps-local``
+#: share one process (`_shared_runs`), with the reference.
+MATCHES = (
+    ("mirrored_two_replicas", ["mirrored", "--devices", "/cpu:0,/cpu:1"], 2),
+    ("central_storage_two_replicas",
+     ["central_storage", "--devices", "/cpu:0,/cpu:1"], 2),
+    ("parameter_server_synchronous", ["parameter_server", "--ps-local",
+                                      "1"], 1),
+    ("steps_per_loop_one", ["mirrored", "--devices", "/cpu:0,/cpu:1",
+                            "--steps-per-loop", "1"], 2),
+)
+
+
+def _argv(args):
+  return [args[0], str(STEPS), *args[1:]]
+
+
+@functools.cache
+def _shared_runs():
+  """One runner_job.py process: the reference, then each row of `MATCHES`
+  without ``--ps-local`` (a strategy and model of its own each); its JSON
+  lines by row name, the reference's as "reference"."""
+  names = ["reference"] + [n for n, args, _ in MATCHES
+                           if "--ps-local" not in args]
+  argv = list(REFERENCE)
+  for name, args, _ in MATCHES:
+    if name in names:
+      argv += ["+", *_argv(args)]
+  result = cluster_utils.run_script("runner_job.py", args=argv, timeout=240)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = [json.loads(l) for l in result.stdout.splitlines()
+           if l.startswith("{")]
+  assert len(lines) == len(names), result.stdout
+  return dict(zip(names, lines))
+
+
+def _reference():
+  return np.array(_shared_runs()["reference"]["weights"])
 
 
 @pytest.mark.timeout(300)
 class RunnerCorrectnessTest(parameterized.TestCase):
 
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    result = cluster_utils.run_script("runner_job.py", args=["default", str(STEPS)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    cls.reference = _weights(result)
-
-  @parameterized.named_parameters(
-      ("mirrored_two_replicas", ["mirrored", "--devices", "/cpu:0,/cpu:1"], 2),
-      ("central_storage_two_replicas",
-       ["central_storage", "--devices", "/cpu:0,/cpu:1"], 2),
-      ("parameter_server_synchronous", ["parameter_server", "--ps-local",
-                                        "1"], 1),
-      ("steps_per_loop_one", ["mirrored", "--devices", "/cpu:0,/cpu:1",
-                              "--steps-per-loop", "1"], 2),
-  )
+  @parameterized.named_parameters(*MATCHES)
   def test_matches_single_device(self, args, replicas):
-    result = cluster_utils.run_script("runner_job.py",
-                                      args=[args[0], str(STEPS), *args[1:]])
-    self.assertEqual(result.returncode, 0, result.stderr[-3000:])
-    out = result.json()
+    if "--ps-local" in args:
+      result = cluster_utils.run_script("runner_job.py", args=_argv(args))
+      self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+      out = result.json()
+    else:
+      out = _shared_runs()[self._testMethodName.split("_", 4)[-1]]
     self.assertEqual(out["replicas"], replicas)
     self.assertEqual(out["step"], STEPS)
-    np.testing.assert_allclose(out["weights"], self.reference, atol=TOLERANCE)
+    np.testing.assert_allclose(out["weights"], _reference(), atol=TOLERANCE)
 
   def test_multi_worker_mirrored_two_processes(self):
     with tempfile.TemporaryDirectory() as d:
@@ -68,7 +96,7 @@ class RunnerCorrectnessTest(parameterized.TestCase):
       outs = [r.json() for r in results]
       for out in outs:
         self.assertEqual(out["replicas"], 2)
-        np.testing.assert_allclose(out["weights"], self.reference,
+        np.testing.assert_allclose(out["weights"], _reference(),
                                    atol=TOLERANCE)
       # Only the chief wrote: one event file, checkpoints at 3 and 6, and no
       # worker temp directory left behind.
@@ -86,13 +114,13 @@ class RunnerResumeTest(absltest.TestCase):
       args = ["mirrored", "--devices", "/cpu:0,/cpu:1", "--ckpt", d]
       first = cluster_utils.run_script("runner_job.py", args=[args[0], "4", *args[1:]])
       self.assertEqual(first.returncode, 0, first.stderr[-3000:])
-      second = cluster_utils.run_script("runner_job.py", args=[args[0], str(STEPS), *args[1:]])
+      second = cluster_utils.run_script("runner_job.py", args=_argv(args))
       self.assertEqual(second.returncode, 0, second.stderr[-3000:])
       self.assertEqual(second.json()["start_step"], 4)
       self.assertEqual(second.json()["step"], STEPS)
-      uninterrupted = cluster_utils.run_script("runner_job.py", args=["default", str(STEPS)])
-      np.testing.assert_allclose(second.json()["weights"],
-                                 _weights(uninterrupted), atol=TOLERANCE)
+      # The uninterrupted run: the reference.
+      np.testing.assert_allclose(second.json()["weights"], _reference(),
+                                 atol=TOLERANCE)
 
 
 class RunnerInProcessTest(parameterized.TestCase):

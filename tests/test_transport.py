@@ -8,6 +8,7 @@ tests/test_ring.py.
 """
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -210,18 +211,43 @@ class AutoRuleTest(parameterized.TestCase):
       np.testing.assert_array_equal(a, b)
 
 
-def _cluster(mode, *args, ranks=(0, 1), env=None):
-  """Runs the script on 2 workers; the JSON of the workers in ``ranks``."""
+def _cluster(modes, *args, env=None):
+  """Runs the script's ``modes`` in turn on 2 workers; the results, and each
+  worker's JSON lines by mode."""
   results = cluster_utils.run_cluster(
       "socket_transport.py", cluster_utils.worker_configs(2),
-      args=[mode, *args],
-      timeout=300, env=env)
+      args=["+".join(modes), *args], timeout=300, env=env)
   outs = []
-  for rank in ranks:
-    out = results[rank].json()
-    assert "crash" not in out, out["crash"]
-    outs.append(out)
+  for result in results:
+    by_mode = {}
+    for line in result.stdout.splitlines():
+      if line.startswith("{"):
+        out = json.loads(line)
+        assert "crash" not in out, out["crash"]
+        by_mode[out.pop("mode")] = out
+    outs.append(by_mode)
   return results, outs
+
+
+def _stderr_of(result, mode):
+  """What a worker wrote on stderr while it ran ``mode``."""
+  return result.stderr.split(f"socket_transport: mode {mode}\n", 1)[1].split(
+      "socket_transport: mode ", 1)[0]
+
+
+#: Each ClusterTest cluster: its job secret, the entry points ``default``
+#: trains and the modes that follow (``die`` and ``ring_reset_in_fit`` end
+#: the rings, so last).
+WITH_A_SECRET = ("s3cret", ENTRIES, ("sums", "ring_reset_in_fit"))
+# The same code paths; without a secret only the default differs.
+WITHOUT_ONE = ("", ("keras_fit", "keras_fit_sparse"), ("die",))
+
+
+@functools.cache
+def _shared(secret, entries, then):
+  """Mode ``default`` (of ``entries``) then ``then``, in one cluster."""
+  return _cluster(("default", *then), *entries,
+                  env={"TFDIST_JOB_SECRET": secret})
 
 
 def _assert_both_workers_equal(outs):
@@ -268,11 +294,14 @@ class PackingTest(parameterized.TestCase):
     self.assertEqual([a.size for a in again + [third]], [1000] * 3)
 
 
+@pytest.mark.timeout(400)
 class ClusterTest(parameterized.TestCase):
-  """Two MultiWorkerMirrored processes on localhost."""
+  """Two MultiWorkerMirrored processes on localhost: two clusters (`_shared`)
+  serve all but one test."""
 
   def test_sums_exact_in_float32_and_close_compressed(self):
-    _, (a, b) = _cluster("sums")
+    _, outs = _shared(*WITH_A_SECRET)
+    a, b = (out["sums"] for out in outs)
     self.assertEqual(a["cases"].keys(), b["cases"].keys())
     self.assertLen(a["cases"], 3 * 19)
     for out in (a, b):
@@ -291,17 +320,15 @@ class ClusterTest(parameterized.TestCase):
         self.assertLessEqual(got["max_error"], rtol * got["max_abs"], case)
 
   @parameterized.named_parameters(
-      ("with_a_job_secret_the_ring", "s3cret", "socket", ENTRIES),
-      # The same code paths; without a secret only the default differs.
-      ("without_one_tensorflow_collectives", "", "collective",
-       ("keras_fit", "keras_fit_sparse")))
-  def test_training_by_default_forced_and_matching(self, secret, default,
-                                                   entries):
-    results, outs = _cluster("default", *entries,
-                             env={"TFDIST_JOB_SECRET": secret})
+      ("with_a_job_secret_the_ring", WITH_A_SECRET, "socket"),
+      ("without_one_tensorflow_collectives", WITHOUT_ONE, "collective"))
+  def test_training_by_default_forced_and_matching(self, run, default):
+    results, outs = _shared(*run)
+    entries = run[1]
+    outs = [out["default"] for out in outs]
     # The chief says what carries the gradients, visibly, at the first step
     # (the default's), and again when an optimizer forces the other one.
-    said = [line for line in results[0].stderr.splitlines()
+    said = [line for line in _stderr_of(results[0], "default").splitlines()
             if line.startswith("tfdist: gradients cross by ")]
     self.assertLen(said, 2, results[0].stderr)
     self.assertIn(
@@ -346,8 +373,10 @@ class ClusterTest(parameterized.TestCase):
                     result.stderr)
 
   def test_dead_peer_fails_fast_with_its_name(self):
-    results, (survivor,) = _cluster("die", ranks=(0,))
+    results, outs = _shared(*WITHOUT_ONE)
+    survivor = outs[0]["die"]
     self.assertEqual(results[1].returncode, 3)  # os._exit(3) mid-loop.
+    self.assertNotIn("die", outs[1])
     self.assertEqual(survivor["rank"], 0)
     self.assertIsNotNone(survivor["error"])
     self.assertGreater(survivor["calls"], 0)
@@ -362,10 +391,11 @@ class ClusterTest(parameterized.TestCase):
   def test_ring_reset_in_plain_fit_is_the_rings_error(self):
     """Plain ``model.fit``: the ring's error, not TensorFlow's UnknownError
     around it (the ``transport_errors`` Keras correction)."""
-    _, outs = _cluster("ring_reset_in_fit", env={"TFDIST_JOB_SECRET": "s3"})
-    for out, start in zip(outs, ("socket transport: worker:0 lost worker:1",
-                                 "socket transport: the ring of worker:1 "
-                                 "was closed")):
+    _, outs = _shared(*WITH_A_SECRET)
+    for out, start in zip(
+        (out["ring_reset_in_fit"] for out in outs),
+        ("socket transport: worker:0 lost worker:1",
+         "socket transport: the ring of worker:1 was closed")):
       self.assertEqual(out["choice"], "socket")
       self.assertEqual(out["error"], "WorkerLostError", str(out))
       self.assertEqual(out["cause"], "UnknownError")

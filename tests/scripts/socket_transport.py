@@ -1,6 +1,6 @@
 """One worker of a 2-process cluster exercising the socket transport.
 
-Usage: socket_transport.py sums|default|die|ring_reset_in_fit
+Usage: socket_transport.py MODE[+MODE...] [ENTRY...]; modes run in turn:
 
 * ``sums``: all-reduces gradients of many shapes (scalars, empty, odd
   lengths, multi-block) through the optimizer hook, and numpy buffers
@@ -22,8 +22,11 @@ Usage: socket_transport.py sums|default|die|ring_reset_in_fit
   collectives notice nothing); each worker prints the error ``fit`` raised
   and its cause.
 
-Each worker prints one JSON line and ends with ``os._exit`` (a surviving
-worker does not wait for TensorFlow's shutdown barrier of a dead peer).
+Each worker prints one JSON line per mode, named by its "mode" key (on
+stderr, ``socket_transport: mode NAME`` marks where each mode begins), and
+ends with ``os._exit`` (a surviving worker does not wait for TensorFlow's
+shutdown barrier of a dead peer). ``die`` and ``ring_reset_in_fit`` end the
+rings: only the last mode may be one of them.
 """
 
 import hashlib
@@ -38,7 +41,7 @@ import job_common
 import numpy as np
 import tfdist
 
-MODE = sys.argv[1]
+MODES = sys.argv[1].split("+")
 strategy = tfdist.make_strategy("multi_worker_mirrored")  # First TF work.
 RANK = tfdist.resolve_cluster().task_id
 
@@ -291,12 +294,17 @@ def ring_reset_in_fit():
   return {"error": None}
 
 
-try:
-  modes = {"sums": sums, "default": default, "die": die,
-           "ring_reset_in_fit": ring_reset_in_fit}
-  result = {"rank": RANK, **modes[MODE]()}
-except Exception:  # pylint: disable=broad-exception-caught
-  result = {"rank": RANK, "crash": traceback.format_exc()[-3000:]}
-print(json.dumps(result), flush=True)
+modes = {"sums": sums, "default": default, "die": die,
+         "ring_reset_in_fit": ring_reset_in_fit}
+for mode in MODES:
+  print(f"socket_transport: mode {mode}", file=sys.stderr, flush=True)
+  try:
+    result = {"rank": RANK, "mode": mode, **modes[mode]()}
+  except Exception:  # pylint: disable=broad-exception-caught
+    result = {"rank": RANK, "mode": mode,
+              "crash": traceback.format_exc()[-3000:]}
+  print(json.dumps(result), flush=True)
+  if "crash" in result:
+    break
 sys.stderr.flush()
 os._exit(0)
