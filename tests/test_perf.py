@@ -112,6 +112,27 @@ class MirroredTest(parameterized.TestCase):
       self.assertEqual(v.dtype, tf.float32)
       np.testing.assert_allclose(v.numpy(), np.full([5], 1.5))
 
+  def test_options_apply_under_a_strategy_tfdist_did_not_build(self):
+    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    with strategy.scope():
+      optimizer = perf.with_gradient_options(
+          keras.optimizers.SGD(0.1), perf.GradientOptions(compression="bf16"))
+      var = tf.Variable(tf.zeros([3]))
+
+    @tf.function
+    def reduce():
+      def fn():
+        # pylint: disable-next=protected-access
+        (out, _), = optimizer._all_reduce_sum_gradients(
+            [(tf.fill([3], 1.0 / 3.0), var)])
+        return out
+      return strategy.run(fn)
+
+    for v in strategy.experimental_local_results(reduce()):
+      # 1/3 crosses as bfloat16 (0.333984375) on both replicas: the sum is
+      # bfloat16's, not float32's 0.6666667.
+      np.testing.assert_array_equal(v.numpy(), np.full([3], 0.66796875))
+
   @parameterized.named_parameters(
       ("fp16", "fp16", 2e-3),
       ("bf16", "bf16", 2e-2),

@@ -58,6 +58,7 @@ def with_gradient_options(optimizer: Any,
                       expected="an optimizer not given options before")
   if options.transport == "socket" and tf.distribute.has_strategy():
     transport_lib.check_strategy(tf.distribute.get_strategy())
-  factory.install_keras_hooks()  # Under a strategy tfdist did not build.
+  # The hook alone, for a strategy tfdist did not build.
+  factory.install_keras_hooks(("strategy_transport",))
   options.attach(optimizer)
   return optimizer

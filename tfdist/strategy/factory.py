@@ -273,11 +273,12 @@ def options_for(name: str, values: Mapping[str, Any]) -> Any:
   return spec.options(**values)
 
 
-def install_keras_hooks() -> None:
+def install_keras_hooks(names: tuple[str, ...] | None = None) -> None:
   """Installs tfdist's corrections and hooks on Keras (idempotent): the
   chief rule, refusals as `tfdist.ConfigError`, gradients by the strategy's
-  transport and the optimizer's `GradientOptions`."""
-  keras_compat.apply(host=keras_compat.Host(
+  transport and the optimizer's `GradientOptions`; all, or those ``names``
+  (`tfdist._compat.keras.FIXES`)."""
+  keras_compat.apply(names, host=keras_compat.Host(
       refusal=ConfigError, is_chief=introspect.is_chief,
       all_reduce=transport_lib.keras_all_reduce,
       transport_failure=transport_lib.failure_of))
