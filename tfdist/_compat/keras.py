@@ -15,7 +15,7 @@ strategy, or with a strategy that already works, runs Keras's own code.
 | ``atomic_assign_add``         | ``Variable.assign_add`` / ``assign_sub``      | ParameterServer: lost increments |
 | ``lazy_optimizer_build``      | ``BaseOptimizer.apply``                       | custom loops: optimizer built inside ``strategy.run`` on several replicas |
 | ``chief_aware_callbacks``     | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their callbacks) | every worker writes ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger paths (`keras_callbacks`) and draws the progress bar |
-| ``strategy_transport``        | ``TFOptimizer._all_reduce_sum_gradients``     | not a bug: gradients take the transport `make_strategy` chose (`Host.all_reduce`), tfdist's socket ring where it is faster |
+| ``strategy_transport``        | ``TFOptimizer._all_reduce_sum_gradients``     | not a bug: gradients take the transport `make_strategy` chose, or the optimizer's `GradientOptions` ask for (`Host.all_reduce`), tfdist's socket ring where it is faster |
 | ``scope_errors``              | ``TFOptimizer.__init__`` (records where), ``add_variable_from_reference``, ``BaseOptimizer.apply`` | not a bug: an optimizer created outside ``strategy.scope()`` fails with "Mixing different tf.distribute.Strategy objects" (plain SGD counts steps twice), a model so built with a bare ``AssertionError``: refused by `Host.refusal`, naming the line to move |
 | ``transport_errors``          | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their errors) | the ring's error (a lost peer, named) comes out of ``tf.numpy_function`` as TensorFlow's ``UnknownError``: raised as itself (`Host.transport_failure`) |
 
