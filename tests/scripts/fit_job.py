@@ -15,6 +15,7 @@ workers can be given different directories.
 import argparse
 import json
 import os
+import time
 
 import job_common
 import tfdist
@@ -61,6 +62,10 @@ class DieAt(keras.callbacks.Callback):
         # first (bounded), or the slower one fails in the collective instead.
         from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
         context.context().wait_at_barrier("fit_job/die_at", 60_000)
+        if task.get("index", 0) == 0:
+          # Worker 0 serves the coordination service: leaving at once can
+          # cut the others' barrier reply, and they fail (exit 1) instead.
+          time.sleep(2)
       os._exit(3)
 
 
