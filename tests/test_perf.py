@@ -68,6 +68,26 @@ class OptionsTest(absltest.TestCase):
                              accumulation_steps=0)
 
 
+def _hook_sums(strategy, options, grad):
+  """Each replica's result of the optimizer's all-reduce hook, under
+  ``options``, for one variable whose gradient on replica ``rid`` is
+  ``grad(rid)``."""
+  with strategy.scope():
+    optimizer = perf.with_gradient_options(keras.optimizers.SGD(0.1), options)
+    var = tf.Variable(tf.zeros_like(grad(tf.constant(0))))
+
+  @tf.function
+  def reduce():
+    def fn():
+      rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+      # pylint: disable-next=protected-access
+      (out, _), = optimizer._all_reduce_sum_gradients([(grad(rid), var)])
+      return out
+    return strategy.run(fn)
+
+  return strategy.experimental_local_results(reduce())
+
+
 class MirroredTest(parameterized.TestCase):
   """Training under one 2-replica MirroredStrategy, shared by the class."""
 
@@ -91,25 +111,10 @@ class MirroredTest(parameterized.TestCase):
       ("bf16", "bf16"),
   )
   def test_all_reduce_hook_sums_in_float32(self, compression):
-    strategy = self.strategy
-    with strategy.scope():
-      optimizer = perf.with_gradient_options(
-          keras.optimizers.SGD(0.1),
-          perf.GradientOptions(compression=compression, bytes_per_pack=64))
-      var = tf.Variable(tf.zeros([5]))
-
-    @tf.function
-    def reduce():
-      def fn():
-        rid = tf.distribute.get_replica_context().replica_id_in_sync_group
-        grad = tf.fill([5], 0.25 + tf.cast(rid, tf.float32))
-        # pylint: disable-next=protected-access
-        hook = optimizer._all_reduce_sum_gradients
-        (out, _), = hook([(grad, var)])
-        return out
-      return strategy.run(fn)
-
-    values = strategy.experimental_local_results(reduce())
+    values = _hook_sums(
+        self.strategy,
+        perf.GradientOptions(compression=compression, bytes_per_pack=64),
+        lambda rid: tf.fill([5], 0.25 + tf.cast(rid, tf.float32)))
     for v in values:
       self.assertEqual(v.dtype, tf.float32)
       np.testing.assert_allclose(v.numpy(), np.full([5], 1.5))
@@ -122,21 +127,8 @@ class MirroredTest(parameterized.TestCase):
     with mock.patch.object(tf.distribute.MirroredStrategy,
                            "_collective_key_base", 7_000_000):
       strategy = tf.distribute.MirroredStrategy(DEVICES)
-    with strategy.scope():
-      optimizer = perf.with_gradient_options(
-          keras.optimizers.SGD(0.1), perf.GradientOptions(compression="bf16"))
-      var = tf.Variable(tf.zeros([3]))
-
-    @tf.function
-    def reduce():
-      def fn():
-        # pylint: disable-next=protected-access
-        (out, _), = optimizer._all_reduce_sum_gradients(
-            [(tf.fill([3], 1.0 / 3.0), var)])
-        return out
-      return strategy.run(fn)
-
-    for v in strategy.experimental_local_results(reduce()):
+    for v in _hook_sums(strategy, perf.GradientOptions(compression="bf16"),
+                        lambda rid: tf.fill([3], 1.0 / 3.0)):
       # 1/3 crosses as bfloat16 (0.333984375) on both replicas: the sum is
       # bfloat16's, not float32's 0.6666667.
       np.testing.assert_array_equal(v.numpy(), np.full([3], 0.66796875))
