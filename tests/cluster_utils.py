@@ -43,6 +43,7 @@ __all__ = [
     "Result",
     "Tasks",
     "base_env",
+    "plotting_env",
     "alive",
     "free_ports",
     "processes",
@@ -62,6 +63,18 @@ SCRIPTS = os.path.join(REPO, "tests", "scripts")
 
 free_ports = _net.free_ports
 base_env = _net.child_env
+
+#: First on every child's PYTHONPATH (tests/conftest.py): its sitecustomize
+#: hides matplotlib, as a base install does (tests/base_install).
+BASE_INSTALL = os.path.join(REPO, "tests", "base_install")
+
+
+def plotting_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+  """`base_env` for a process that draws a plot: matplotlib importable."""
+  env = base_env(extra)
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in env["PYTHONPATH"].split(os.pathsep) if p != BASE_INSTALL)
+  return env
 
 #: A stdout line to wait for: the line itself, or a test it must pass.
 LineTest = str | Callable[[str], bool]

@@ -56,7 +56,7 @@ class QuickBenchTest(absltest.TestCase):
     proc = subprocess.Popen(
         [sys.executable, "-m", "tfdist", "bench", "--quick", "--json",
          json_path, "--plot", cls.plot_path],
-        env=cluster_utils.base_env({"TFDIST_BENCH_TEST_MARK": mark}),
+        env=cluster_utils.plotting_env({"TFDIST_BENCH_TEST_MARK": mark}),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     try:

@@ -240,7 +240,7 @@ class BedTest(absltest.TestCase):
     """
     env = cluster_utils.base_env({_net.JOB_SECRET_VARIABLE: SECRET})
     with tempfile.TemporaryDirectory() as d:
-      reference = fault_runs.reference(d, "fit", "--batch", "12")
+      reference = fault_runs.reference("fit", "--batch", "12")
       backup = os.path.join(d, "backup")
       with netbed.NetBed(hosts=("h0", "h1", "h2")) as bed, cluster_utils.Tasks(
           commands=[self._command(bed, r, backup) for r in range(3)],

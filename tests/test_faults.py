@@ -4,7 +4,6 @@ Every wait is bounded and every process started here is killed by its PID or
 process group (tests/cluster_utils.py).
 """
 
-import functools
 import json
 import os
 import random
@@ -29,14 +28,6 @@ from fault_runs import JOB
 # TensorFlow 2.21 on the test machine, the survivor failed 10-20 s after the
 # SIGSTOP (2-3 s after a SIGKILL). The bound leaves room for a loaded machine.
 STOPPED_BOUND = 90
-
-
-@functools.cache
-def _reference():
-  """fault_runs.reference, run once per module: the tests that resume a
-  fit run compare with the same uninterrupted run."""
-  with tempfile.TemporaryDirectory() as d:
-    return fault_runs.reference(d)
 
 
 def _mwms(configs, d, *extra, loop="fit", env=None):
@@ -80,7 +71,7 @@ class LostWorkerTest(absltest.TestCase):
       self.assertLess(seconds, 30)
       resumed = cluster_utils.run_to_end(
           JOB, cluster_utils.worker_configs(2), args=[*args, "--sleep", "0"])
-      reference = _reference()
+      reference = fault_runs.reference()
     for out in resumed:
       fault_runs.assert_like(self, out, reference)
 
@@ -143,7 +134,7 @@ class KillAnyMomentTest(absltest.TestCase):
           self.assertEqual(tasks.wait_all(30), [-signal.SIGKILL])  # Mid-run.
           reached.append(line.strip())
       out = cluster_utils.run_to_end(JOB, args=[*args[:3], "--sleep", "0"])[0]
-      reference = _reference()
+      reference = fault_runs.reference()
     print(f"first steps of the killed runs: {reached}")
     self.assertLen(reached, 3)
     fault_runs.assert_like(self, out, reference)
@@ -198,7 +189,7 @@ class RelaunchTest(absltest.TestCase):
         os.kill(pid, signal.SIGKILL)  # A task the launcher started.
         code = launcher.wait(0, 240)
         lines = launcher.lines(0)
-      reference = _reference()
+      reference = fault_runs.reference()
     text = "\n".join(lines)
     self.assertEqual(code, 0, tail(text, 5000))
     self.assertIn("task worker:1 was killed by signal 9", text)

@@ -65,17 +65,6 @@ class TwoNodeSlurmTest(absltest.TestCase):
     cls.bed.close()
     super().tearDownClass()
 
-  _reference: dict | None = None
-
-  def reference(self) -> dict:
-    """`fault_runs.reference`, run once for the class's tests."""
-    cls = type(self)
-    if cls._reference is None:
-      directory = tempfile.mkdtemp(prefix="tfdist-reference-")
-      cls.addClassCleanup(shutil.rmtree, directory, ignore_errors=True)
-      cls._reference = fault_runs.reference(directory)
-    return cls._reference
-
   def test_node_names_resolve_nowhere_but_node_addr_does(self):
     r = self.slurm.srun(["-N", "2", "getent", "hosts", "node1"], timeout=60)
     self.assertNotEqual(r.returncode, 0, r.stdout)  # node2 cannot.
@@ -228,7 +217,7 @@ class TwoNodeSlurmTest(absltest.TestCase):
     directory = tempfile.mkdtemp(prefix="tfdist-requeue-")
     self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
     os.chmod(directory, 0o755)
-    reference = self.reference()
+    reference = fault_runs.reference()
     # The first node goes away for new work: the requeued job must move.
     first_node, state, restarts, second_node, first, second = (
         self._fault_job_requeued(
@@ -254,7 +243,7 @@ class TwoNodeSlurmTest(absltest.TestCase):
     directory = tempfile.mkdtemp(prefix="tfdist-resize-")
     self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
     os.chmod(directory, 0o755)
-    reference = self.reference()
+    reference = fault_runs.reference()
     script = os.path.join(directory, "job.sbatch")
     subprocess.run(
         [sys.executable, "-m", "tfdist", "slurm", "--preset",

@@ -14,6 +14,7 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 
+import cluster_utils
 from tfdist.bench import projection
 
 _MB = 1 << 20
@@ -215,6 +216,7 @@ def _bench(*args, python_args=()):
   return subprocess.run(
       [sys.executable, *python_args, "-m", "tfdist", "bench", "--project",
        *args], capture_output=True, text=True, timeout=120, check=False,
+      env=cluster_utils.plotting_env(),
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

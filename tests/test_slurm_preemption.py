@@ -189,19 +189,11 @@ def _wait(test: absltest.TestCase, condition, timeout: float, what) -> None:
 
 class SlurmPreemptionTest(parameterized.TestCase):
 
-  _reference: dict | None = None
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
     cls.slurm = _SHARED.get()
-
-  def reference(self) -> dict:
-    """`fault_runs.reference`, run once for the class's tests."""
-    cls = type(self)
-    if cls._reference is None:
-      cls._reference = fault_runs.reference(_tempdir(self))
-    return cls._reference
 
   def assert_nothing_left(self, job: _Job, directory: str) -> None:
     """No job of the test in the queue, no process using its directory."""
@@ -220,7 +212,7 @@ class SlurmPreemptionTest(parameterized.TestCase):
     """
     directory = _tempdir(self)
     started = time.monotonic()
-    reference = self.reference()
+    reference = fault_runs.reference()
     backup = os.path.join(directory, "backup")
     script = _MWMS_TEMPLATE
     if requeue_from == "task":

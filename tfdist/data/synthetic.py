@@ -30,7 +30,7 @@ __all__ = [
     "DIGITS_NUM_SHARDS",
     "TfdistDigits",
     "default_data_dir",
-    "prepare",
+    "prepare_digits",
     "render_digit",
 ]
 
@@ -131,7 +131,7 @@ def default_data_dir() -> str:
       "~/tensorflow_datasets")
 
 
-def prepare(data_dir: str | os.PathLike[str] | None = None, *,
+def prepare_digits(data_dir: str | os.PathLike[str] | None = None, *,
             lock_timeout_s: float = 300.0,
             chief: bool | None = None) -> TfdistDigits:
   """Builds ``tfdist_digits`` into ``data_dir`` once; later calls reuse it.
@@ -153,7 +153,7 @@ def prepare(data_dir: str | os.PathLike[str] | None = None, *,
       failed.
 
   Example:
-    >>> builder = prepare("/tmp/tfds")
+    >>> builder = prepare_digits("/tmp/tfds")
     >>> ds = builder.as_dataset(split="train")
   """
   data_dir = os.fspath(data_dir) if data_dir else default_data_dir()

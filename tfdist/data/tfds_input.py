@@ -72,7 +72,7 @@ def tfds_builder(name: DatasetName, *,
       download). The message names the dataset and the directory.
   """
   if name in (synthetic.DIGITS_NAME, synthetic.TfdistDigits):
-    return synthetic.prepare(data_dir, lock_timeout_s=wait_timeout_s)
+    return synthetic.prepare_digits(data_dir, lock_timeout_s=wait_timeout_s)
   data_dir = os.fspath(data_dir) if data_dir else None
   if isinstance(name, type) and issubclass(name, tfds.core.DatasetBuilder):
     builder_class = name
