@@ -71,7 +71,7 @@ class PreemptionTest(parameterized.TestCase):
     d = tempfile.mkdtemp()
     cls.addClassCleanup(shutil.rmtree, d, ignore_errors=True)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-      fit, runner = (pool.submit(fault_runs.reference, d, loop)
+      fit, runner = (pool.submit(fault_runs.reference, loop)
                      for loop in ("fit", "runner"))
       cls.fit_reference, cls.runner_reference = fit.result(), runner.result()
       # Plain model.fit with tfdist.BackupAndRestore trains the same steps.
