@@ -35,6 +35,7 @@ records are under ``reference`` in the JSON.
 """
 
 import argparse
+import gc
 import functools
 import json
 import os
@@ -238,9 +239,13 @@ for name, entry in entries.items():
     entry(args.stop)
   except Stop:
     pass
+  # Each entry's models now: garbage left to pile up over several models
+  # costs one generation-2 collection of 10-30 s while the others wait.
+  gc.collect()
 if args.reference:
   root, results = args.reference, out.setdefault("reference", {})
   for name, entry in entries.items():
     if name != "fit_per_replica":
       entry(None)
+      gc.collect()
 print(json.dumps(out), flush=True)
