@@ -41,6 +41,7 @@ included, are given per optimizer.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -129,6 +130,10 @@ def train_variants(strategy, spec: dict, cores: list[int]) -> dict:
       loops[(name, variant["name"])] = _make_loop(strategy, name, variant, spec)
   for loop in loops.values():  # Compile and warm up before any timing.
     loop(spec["warmup_steps"])
+  # The builds' garbage, collected before the timed windows: a
+  # generation-2 collection of it blocked for 1-10 s (almost none of it
+  # CPU), which inside a window would count as training time.
+  gc.collect()
   _set_affinity(cores)
   times: dict[tuple[str, str], list[float]] = {k: [] for k in loops}
   keys = list(loops)

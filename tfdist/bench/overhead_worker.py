@@ -26,6 +26,7 @@ JSON line.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -63,6 +64,9 @@ def _compare(cases: dict[str, Pair], spec: dict) -> dict:
   for variant, baseline in cases.values():  # Trace and warm up first.
     variant(spec["warmup_steps"])
     baseline(spec["warmup_steps"])
+  # The builds' garbage, collected before the timed windows (as in
+  # cluster_worker): one collection of it took 6.6 s.
+  gc.collect()
   times: dict[str, tuple[list[float], list[float]]] = {
       k: ([], []) for k in cases}
   for r in range(spec["rounds"]):
