@@ -333,13 +333,15 @@ class CliTest(parameterized.TestCase):
                                    "--tpu=grpc://127.0.0.1:1"], None, "TPU"),
   )
   def test_exit_2_one_line(self, argv, env, field):
+    # tfdist bench looks for matplotlib before it reads --plot's name.
+    make_env = (cluster_utils.plotting_env if argv[0] == "bench"
+                else cluster_utils.base_env)
     if not argv[0].startswith("/"):
       argv = ["-m", "tfdist", *argv]
     with tempfile.TemporaryDirectory() as d, \
         tempfile.TemporaryDirectory() as home:
       r, left = cluster_utils.run_alone(
-          [PY, *argv], env=cluster_utils.base_env({**(env or {}),
-                                                   "HOME": home}),
+          [PY, *argv], env=make_env({**(env or {}), "HOME": home}),
           cwd=d, timeout=120)
       self.assertEqual(os.listdir(d), [])  # Nothing written.
       self.assertEqual(set(os.listdir(home)) - LIBRARY_CACHES, set())

@@ -83,11 +83,14 @@ def claim(directory: str, owner: Owner, *, strategy: tf.distribute.Strategy,
   """
   record = _read(directory, field=field, source=source)
   if record is None:
+    # The chief may record its claim between the read and the listing: its
+    # record is checked below, as if it had been there first.
     keras_callbacks.refuse_unowned(
-        directory, own=lambda n: n.startswith(_TMP_PREFIX),
+        directory, own=lambda n: n.startswith(_TMP_PREFIX) or n == OWNER_FILE,
         writer=f"tfdist (there is no {OWNER_FILE})", refusal=ConfigError,
         field=field, source=source)
-  else:
+    record = _read(directory, field=field, source=source)
+  if record is not None:
     _check_same(directory, record, owner, field=field, source=source)
   if introspect.is_chief(strategy):
     remove_partial(directory)  # Left by a killed run: never resumed from.
