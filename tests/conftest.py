@@ -28,8 +28,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import cluster_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    [os.path.join(REPO, "tests", "base_install")]
+    [cluster_utils.BASE_INSTALL]
     + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 import tensorflow as tf  # pylint: disable=g-import-not-at-top

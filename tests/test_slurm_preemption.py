@@ -189,7 +189,6 @@ def _wait(test: absltest.TestCase, condition, timeout: float, what) -> None:
 
 class SlurmPreemptionTest(parameterized.TestCase):
 
-
   @classmethod
   def setUpClass(cls):
     super().setUpClass()

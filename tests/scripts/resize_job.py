@@ -35,8 +35,8 @@ records are under ``reference`` in the JSON.
 """
 
 import argparse
-import gc
 import functools
+import gc
 import json
 import os
 

@@ -132,8 +132,8 @@ def default_data_dir() -> str:
 
 
 def prepare_digits(data_dir: str | os.PathLike[str] | None = None, *,
-            lock_timeout_s: float = 300.0,
-            chief: bool | None = None) -> TfdistDigits:
+                   lock_timeout_s: float = 300.0,
+                   chief: bool | None = None) -> TfdistDigits:
   """Builds ``tfdist_digits`` into ``data_dir`` once; later calls reuse it.
 
   Safe to call from every worker at once: the chief builds, behind a lock
