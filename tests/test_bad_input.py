@@ -21,6 +21,7 @@ from absl.testing import parameterized
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
+import pytest
 import tensorflow as tf
 
 import cluster_utils
@@ -39,6 +40,7 @@ def _tf_config(value):
   return value if isinstance(value, str) else json.dumps(value)
 
 
+@pytest.mark.beside
 class TfConfigTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -73,6 +75,7 @@ class TfConfigTest(parameterized.TestCase):
     self.assertIn(field, str(caught.exception))
 
 
+@pytest.mark.beside
 class SlurmTest(parameterized.TestCase):
 
   BASE = {"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
@@ -97,6 +100,7 @@ class SlurmTest(parameterized.TestCase):
     self.assertIn(field, str(caught.exception))
 
 
+@pytest.mark.beside
 class StrategyMismatchTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -132,6 +136,7 @@ class StrategyMismatchTest(parameterized.TestCase):
     self.assertIn(field, str(caught.exception))
 
 
+@pytest.mark.beside
 class LaunchSpecTest(parameterized.TestCase):
   """Values that cannot work fail when the spec is built; what this machine
   must provide (program, script, free ports) fails in `launch.preflight`."""
@@ -215,6 +220,7 @@ _SLURM_STEP = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
                "SLURM_STEP_NUM_TASKS": "2"}
 
 
+@pytest.mark.beside
 class BackupAndRestoreTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -237,6 +243,7 @@ class BackupAndRestoreTest(parameterized.TestCase):
 LIBRARY_CACHES = {".keras", ".cache", ".config"}
 
 
+@pytest.mark.beside
 class CliTest(parameterized.TestCase):
   """The same kinds of input on command lines: the ``tfdist`` command and
   the absl example scripts. Exit 2, one ``tfdist:`` line naming the field,
@@ -395,6 +402,7 @@ _SLURM_FLAGS = ["--preset", "--job-name", "--nodes", "--tasks-per-node",
                 "--roles", "--signal-seconds", "--requeue", "--no-requeue"]
 
 
+@pytest.mark.beside
 class CliArgumentsTest(absltest.TestCase):
   """Generated ``tfdist launch`` / ``tfdist slurm`` argument lists, parsed
   and checked in-process (nothing is started or written): each is accepted
@@ -448,6 +456,7 @@ class CliArgumentsTest(absltest.TestCase):
           self.assertRegex(line, r"^#SBATCH --[a-z-]+(=[^\s]+)?$")
 
 
+@pytest.mark.beside
 class CheckpointIntegrityTest(parameterized.TestCase):
   """A corrupt latest checkpoint falls back; none readable fails clearly."""
 

@@ -11,6 +11,7 @@ import sys
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 import cluster_utils
 import tfdist
@@ -49,6 +50,7 @@ def _local_report():
   return r, json.loads(r.stdout) if r.returncode == 0 else None
 
 
+@pytest.mark.beside
 class InfoTest(parameterized.TestCase):
 
   def test_json_local(self):
@@ -184,6 +186,7 @@ class InfoTest(parameterized.TestCase):
                   "Keras's code\n", text)
 
 
+@pytest.mark.beside
 class ErrorContractTest(parameterized.TestCase):
   """Bad input: one line starting 'tfdist: ', exit 2, no traceback."""
 
@@ -256,6 +259,7 @@ print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
 """
 
 
+@pytest.mark.beside
 class HelpTest(parameterized.TestCase):
   """``--help`` answers at once: it loads no TensorFlow, Keras or NumPy."""
 
@@ -275,6 +279,7 @@ class HelpTest(parameterized.TestCase):
     self.assertEqual(heavy, [])
 
 
+@pytest.mark.beside
 class VersionTest(absltest.TestCase):
 
   def test_version_is_one_line_and_loads_no_tensorflow(self):
@@ -291,6 +296,7 @@ class VersionTest(absltest.TestCase):
                      [])
 
 
+@pytest.mark.beside
 class PublicApiTest(absltest.TestCase):
 
   def test_every_public_name_resolves(self):

@@ -9,9 +9,12 @@ import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 from tfdist.cli import config_file
 from tfdist.cli import main as cli_main
+
+pytestmark = pytest.mark.beside  # tests/conftest.py: starts no cluster.
 
 
 class ConfigFileTest(parameterized.TestCase):

@@ -217,6 +217,7 @@ def _join_abandoned_downloads(timeout_s: float = 30.0) -> list[str]:
   return [t.name for t in threads if t.is_alive()]
 
 
+@pytest.mark.beside
 class PublicSurfaceTest(absltest.TestCase):
 
   def test_all_names_resolve(self):
@@ -225,6 +226,7 @@ class PublicSurfaceTest(absltest.TestCase):
     self.assertEqual(sorted(data.__all__), data.__all__)
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(60)
 class BatchingTest(parameterized.TestCase):
 
@@ -346,6 +348,7 @@ class BatchingTest(parameterized.TestCase):
     self.assertEqual(data.static_batch_size(dataset), want)
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(60)
 class ShardPolicyTest(parameterized.TestCase):
 
@@ -403,6 +406,7 @@ class ShardPolicyTest(parameterized.TestCase):
     self.assertEqual(data.num_input_workers(tf.distribute.get_strategy()), 1)
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(90)
 class DigitsBuilderTest(parameterized.TestCase):
 
@@ -494,6 +498,7 @@ class DigitsBuilderTest(parameterized.TestCase):
     self.assertGreater(accuracy, 0.5)  # Chance is 0.1.
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(90)
 class LoadTfdsTest(parameterized.TestCase):
 
@@ -582,6 +587,7 @@ class LoadTfdsTest(parameterized.TestCase):
     self.assertEqual(_file_states(data_dir), {})  # Nothing fetched.
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(90)
 class DownloadTest(absltest.TestCase):
   """A builder that downloads from a real HTTP server on 127.0.0.1."""
@@ -644,6 +650,7 @@ class DownloadTest(absltest.TestCase):
     self.assertFalse(probe(data_dir=data_dir).is_prepared())
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(90)
 class DistributeTest(parameterized.TestCase):
 

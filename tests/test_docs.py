@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from absl.testing import absltest
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # CHANGELOG.md is left out: it names files that are gone on purpose.
@@ -26,6 +27,7 @@ def named_paths(text: str) -> set[str]:
   return set(_PATH.findall(text))
 
 
+@pytest.mark.beside
 class DocsTest(absltest.TestCase):
 
   def test_the_pattern_finds_paths(self):
@@ -56,6 +58,7 @@ class DocsTest(absltest.TestCase):
 
 
 
+@pytest.mark.beside
 class ReadmeCellTest(absltest.TestCase):
 
   def test_the_colab_tpu_cell_runs_on_cpu(self):
@@ -75,6 +78,7 @@ class ReadmeCellTest(absltest.TestCase):
                                              re.S))
 
 
+@pytest.mark.beside
 class LicenseTest(absltest.TestCase):
 
   def test_apache_2_license_is_shipped_and_named(self):

@@ -219,6 +219,7 @@ class FitResumeTest(parameterized.TestCase):
                                atol=TOLERANCE)
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(300)
 class FitChiefWritesTest(absltest.TestCase):
 
@@ -247,6 +248,7 @@ class FitParameterServerTest(absltest.TestCase):
     self.assertEqual(out["iterations"], STEPS)
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(300)  # Before tfdist checked them, some hung forever.
 class FitBadInputTest(parameterized.TestCase):
 

@@ -12,10 +12,13 @@ from absl import flags
 from absl.testing import absltest
 from absl.testing import parameterized
 import keras
+import pytest
 import tensorflow as tf
 
 from tfdist import flags as tfdist_flags
 from tfdist import ConfigError
+
+pytestmark = pytest.mark.beside  # tests/conftest.py: starts no cluster.
 
 
 def _parsed(*args: str) -> flags.FlagValues:

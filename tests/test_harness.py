@@ -15,6 +15,8 @@ import pytest
 
 import cluster_utils
 
+pytestmark = pytest.mark.beside  # tests/conftest.py: starts no cluster.
+
 STOPPED_S = 3.0
 
 # Prints "ready", then, on its own clock, how long 6 s took to run.
@@ -80,7 +82,7 @@ class HungTaskTest(absltest.TestCase):
   def test_a_line_never_printed_shows_where_the_task_waits(self):
     with _tasks(_HUNG_CHILD) as tasks:
       with self.assertRaises(AssertionError) as caught:
-        tasks.wait_for(0, "a line it never prints", 8)
+        tasks.wait_for(0, "a line it never prints", 3)
     self.assertIn("never printed 'a line it never prints'",
                   str(caught.exception))
     self.assertIn("in waiting_for_a_peer_that_never_comes",

@@ -124,6 +124,7 @@ class ExpandHostlistTest(parameterized.TestCase):
     self.assertEqual(proc.returncode, 0)
 
 
+@pytest.mark.beside
 class ExpandTasksPerNodeTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -241,6 +242,7 @@ def _split_names(text: str) -> list[str]:
   return [t for t in re.split(r"[,\s]+(?![^\[]*\])", text) if t]
 
 
+@pytest.mark.beside
 class AgreesWithSlurmTest(parameterized.TestCase):
   """`expand_hostlist` against ``scontrol show hostnames``."""
 

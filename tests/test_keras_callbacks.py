@@ -50,6 +50,7 @@ def _tree(root: str) -> list[str]:
                 for d, _, files in os.walk(root) for f in files)
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(120)
 class ChiefInProcessTest(parameterized.TestCase):
   """One process, 2 replicas: the chief's files land whole, nothing else."""

@@ -79,6 +79,7 @@ def _upstream_fixed(fix: str) -> str:
           f"correction {fix!r} from tfdist/_compat/keras.py")
 
 
+@pytest.mark.beside
 class FingerprintTest(parameterized.TestCase):
   """Corrections apply where Keras still has the code they were verified on."""
 
@@ -155,6 +156,7 @@ class FingerprintTest(parameterized.TestCase):
     self.assertEqual(keras_compat.applied_fixes(), ALL_FIXES)
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(120)
 class MirroredFitTest(parameterized.TestCase):
   """Fit on 2 replicas in this process; every case failed or was untested."""
@@ -284,6 +286,7 @@ def _tutorial_loop(strategy, *, steps: int = 4) -> list:
   return model.get_weights()
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(120)
 class LazyBuildTest(absltest.TestCase):
 
@@ -308,6 +311,7 @@ class LazyBuildTest(absltest.TestCase):
         self.fail(_upstream_fixed("lazy_optimizer_build"))
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(120)
 class ScopeErrorsTest(parameterized.TestCase):
   """An optimizer or model made outside strategy.scope(), on 2 replicas."""
@@ -376,6 +380,7 @@ class ScopeErrorsTest(parameterized.TestCase):
     self.assertIsInstance(e.__cause__, AssertionError)  # Upstream's, bare.
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(120)
 class UpstreamMirroredTest(parameterized.TestCase):
   """Keras's own code still fails in the known way; fails once it does not."""

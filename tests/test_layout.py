@@ -18,6 +18,9 @@ import re
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
+
+pytestmark = pytest.mark.beside  # tests/conftest.py: starts no cluster.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "tfdist")

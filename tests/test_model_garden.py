@@ -6,6 +6,8 @@ import pytest
 
 import cluster_utils
 
+pytestmark = pytest.mark.beside  # tests/conftest.py: starts no cluster.
+
 
 @pytest.mark.timeout(300)
 class ModelGardenScriptTest(parameterized.TestCase):

@@ -34,6 +34,7 @@ def _listener(address: str = "127.0.0.1", *, reuse_port: bool = False):
   return s
 
 
+@pytest.mark.beside
 class PortProblemTest(parameterized.TestCase):
 
   def test_time_wait_of_an_earlier_server_is_free_as_for_tensorflow(self):
@@ -73,6 +74,7 @@ class PortProblemTest(parameterized.TestCase):
     self.assertIsNotNone(_net.port_problem("198.18.0.254", 0))
 
 
+@pytest.mark.beside
 class GrpcAnswersTest(absltest.TestCase):
   """The probe `tfdist.serve` uses to tell that the chief is gone."""
 
@@ -104,6 +106,7 @@ class GrpcAnswersTest(absltest.TestCase):
       replier.join(5)
 
 
+@pytest.mark.beside
 class IsLocalTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -129,6 +132,7 @@ class IsLocalTest(parameterized.TestCase):
     self.assertTrue(_net.is_local(own), own)
 
 
+@pytest.mark.beside
 class ResolveHostTest(absltest.TestCase):
 
   def test_unresolvable_names_host_field_lookup_and_source(self):
@@ -159,6 +163,7 @@ def _slurm_step(nodes: str = "n[9-10]", **extra: str) -> dict[str, str]:
   return env
 
 
+@pytest.mark.beside
 class ResolveNamesTest(parameterized.TestCase):
 
   def test_slurm_node_aliases_give_node_addr(self):

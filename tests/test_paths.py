@@ -18,6 +18,8 @@ import pytest
 
 import tfdist
 
+pytestmark = pytest.mark.beside  # tests/conftest.py: starts no cluster.
+
 
 def _model() -> keras.Model:
   model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])

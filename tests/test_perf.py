@@ -11,10 +11,13 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tfdist
 from tfdist import perf
+
+pytestmark = pytest.mark.beside  # tests/conftest.py: starts no cluster.
 
 DEVICES = ["/cpu:0", "/cpu:1"]
 

@@ -13,6 +13,7 @@ import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 import cluster_utils
 from tfdist.bench import projection
@@ -23,6 +24,7 @@ _LINK = projection.Link(bytes_per_s=1e9, latency_s=1e-5)
 _NO_LATENCY = projection.Link(bytes_per_s=1e9, latency_s=0.0)
 
 
+@pytest.mark.beside
 class ClosedFormTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -72,6 +74,7 @@ class ClosedFormTest(parameterized.TestCase):
     self.assertEqual(projection.CNN.gradient_bytes, 227_880)
 
 
+@pytest.mark.beside
 class ShapeTest(parameterized.TestCase):
 
   @parameterized.product(algorithm=sorted(projection.ALGORITHMS),
@@ -117,6 +120,7 @@ class ShapeTest(parameterized.TestCase):
       projection.Link(bytes_per_s=0, latency_s=1e-5)
 
 
+@pytest.mark.beside
 class CrossoverTest(parameterized.TestCase):
 
   @parameterized.named_parameters(("three", 3), ("eight", 8), ("sixty_four", 64))
@@ -147,6 +151,7 @@ class CrossoverTest(parameterized.TestCase):
                     projection.crossover_bytes(8, projection.link_at(100)))
 
 
+@pytest.mark.beside
 class StepTest(absltest.TestCase):
 
   def test_step_adds_compute_and_all_reduce(self):
@@ -183,6 +188,7 @@ class StepTest(absltest.TestCase):
     self.assertNotIn("socket", row)
 
 
+@pytest.mark.beside
 class CommandTest(absltest.TestCase):
 
   def test_bench_project_prints_and_writes_the_table_without_tensorflow(self):

@@ -4,10 +4,13 @@ import json
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 import tfdist
 from tfdist.cluster import resolve
 from tfdist.cluster import tpu
+
+pytestmark = pytest.mark.beside  # tests/conftest.py: starts no cluster.
 
 TF_CONFIG = json.dumps({"cluster": {"worker": ["127.0.0.1:2000", "127.0.0.1:2001"]},
                         "task": {"type": "worker", "index": 1}})

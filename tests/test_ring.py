@@ -31,6 +31,8 @@ from tfdist.ring import schedule
 from tfdist.ring import socket_ring
 from tfdist.ring import wire as wire_lib
 
+pytestmark = pytest.mark.beside  # tests/conftest.py: starts no cluster.
+
 SIZES = [0, 1, 2, 3, 5, 7, 1001, (1 << 16) + 3]
 # Relative error of one rounding to the wire dtype, per hop.
 WIRE_RTOL = {"float32": 1e-6, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}

@@ -32,6 +32,8 @@ from test_ring import LocalRendezvous
 from test_ring import _members
 from test_ring import _on_each
 
+pytestmark = pytest.mark.beside  # tests/conftest.py: starts no cluster.
+
 SECRET = b"the job's secret"
 KEY = "test"
 

@@ -123,6 +123,7 @@ class RunnerResumeTest(absltest.TestCase):
                                  atol=TOLERANCE)
 
 
+@pytest.mark.beside
 class RunnerInProcessTest(parameterized.TestCase):
 
   def _model_and_step(self, strategy, global_batch):

@@ -32,6 +32,7 @@ def _replica_sum(strategy):
                                strategy.run(value), axis=None))
 
 
+@pytest.mark.beside
 class SingleProcessStrategyTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -72,6 +73,7 @@ class SingleProcessStrategyTest(parameterized.TestCase):
     self.assertEqual(strategy.num_replicas_in_sync, 1)
 
 
+@pytest.mark.beside
 class ChooseStrategyTest(parameterized.TestCase):
   """The auto table, row by row."""
 
@@ -97,6 +99,7 @@ class ChooseStrategyTest(parameterized.TestCase):
     self.assertTrue(why)
 
 
+@pytest.mark.beside
 class BadInputTest(parameterized.TestCase):
   """Every case raises ConfigError naming the field."""
 
@@ -168,6 +171,7 @@ class BadInputTest(parameterized.TestCase):
                            connect_timeout_seconds=2)
 
 
+@pytest.mark.beside
 class OptionsTest(parameterized.TestCase):
 
   @parameterized.parameters(tfdist.MirroredOptions,

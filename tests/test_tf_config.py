@@ -13,6 +13,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import hypothesis
 from hypothesis import strategies as st
+import pytest
 
 from tfdist import ClusterInfo
 from tfdist import ConfigError
@@ -275,6 +276,7 @@ _MALFORMED = (
 )
 
 
+@pytest.mark.beside
 class ParseValidTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*_VALID)
@@ -337,6 +339,7 @@ class ParseValidTest(parameterized.TestCase):
     self.assertEqual(info.address, "w1:2222")
 
 
+@pytest.mark.beside
 class ParseMalformedTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*_MALFORMED)
@@ -432,6 +435,7 @@ _TEXTS = st.one_of(
     st.text(max_size=40))
 
 
+@pytest.mark.beside
 class ParseGeneratedTest(absltest.TestCase):
   """Whatever TF_CONFIG holds: a ClusterInfo or a ConfigError, never else."""
 
@@ -455,6 +459,7 @@ class ParseGeneratedTest(absltest.TestCase):
     self._check(text)
 
 
+@pytest.mark.beside
 class FromEnvironTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -487,6 +492,7 @@ class FromEnvironTest(parameterized.TestCase):
     self.assertIn("(TF_CONFIG from the environment)", str(cm.exception))
 
 
+@pytest.mark.beside
 class DumpTest(parameterized.TestCase):
 
   def test_dump_is_what_tensorflow_documents(self):
@@ -517,6 +523,7 @@ class DumpTest(parameterized.TestCase):
     self.assertIn("dump_tf_config", cm.exception.source)
 
 
+@pytest.mark.beside
 class ImportTest(absltest.TestCase):
 
   def test_parsing_does_not_import_tensorflow(self):

@@ -52,6 +52,7 @@ def _fit(strategy, options):
   return model.get_weights()
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(120)
 class OptionsTest(parameterized.TestCase):
 
@@ -127,6 +128,7 @@ CPU = ["/job:worker/replica:0/task:0/device:CPU:0"]
 GPU = ["/job:worker/replica:0/task:0/device:GPU:0"]
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(60)
 class AutoRuleTest(parameterized.TestCase):
   """``auto``: the socket ring only where it is faster and closed to strangers."""
@@ -257,6 +259,7 @@ def _assert_both_workers_equal(outs):
       np.testing.assert_array_equal(outs[0][key], outs[1][key])
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(400)
 class PackingTest(parameterized.TestCase):
   """How gradients reach the ring, and the buffers their sums land in."""
