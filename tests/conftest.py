@@ -74,15 +74,17 @@ def pytest_configure(config):
 #: SLURM, lost peers: a core idle half their time), while the beside stream
 #: runs, and ends with the bench, which wants both cores (run beside the
 #: beside stream, it took 60-100 s longer).
-_WAIT_FIRST = ("test_faults.py", "test_slurm_preemption.py",
-               "test_clean_exit.py", "test_multinode_slurm.py",
-               "test_slurm_templates.py", "test_multinode_launch.py")
+_WAIT_FIRST = ("test_slurm_templates.py", "test_multinode_launch.py",
+               "test_slurm_preemption.py", "test_launch.py",
+               "test_clean_exit.py", "test_signals.py", "test_faults.py")
 _BENCH_LAST = ("test_bench.py", "test_bench_hosts.py")
 
 
 def _clusters_order(item) -> int:
   name = item.path.name
-  return (0 if name in _WAIT_FIRST else 2 if name in _BENCH_LAST else 1)
+  if name in _WAIT_FIRST:  # The idlest first.
+    return _WAIT_FIRST.index(name)
+  return len(_WAIT_FIRST) + (name in _BENCH_LAST)
 
 
 @pytest.hookimpl(tryfirst=True)  # Before xdist reads the groups.

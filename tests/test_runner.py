@@ -106,6 +106,7 @@ class RunnerCorrectnessTest(parameterized.TestCase):
       self.assertEqual(sorted(os.listdir(d)), ["ckpt", "tb"])
 
 
+@pytest.mark.beside
 @pytest.mark.timeout(300)
 class RunnerResumeTest(absltest.TestCase):
 
