@@ -9,6 +9,7 @@ corrections and fail, on purpose, the day upstream fixes a bug.
 import contextlib
 import functools
 import inspect
+import json
 from unittest import mock
 
 from absl.testing import absltest
@@ -24,7 +25,8 @@ import cluster_utils
 
 ALL_FIXES = ("atomic_assign_add", "chief_aware_callbacks",
              "jit_compile_multi_replica", "lazy_optimizer_build",
-             "multi_worker_scalar_mean", "scope_errors", "steps_per_execution",
+             "loss_scale_agreement", "multi_worker_scalar_mean", "scope_errors",
+             "steps_per_execution",
              "strategy_transport", "symbolic_build_reduce", "transport_errors")
 _REDUCE = "keras.src.backend.tensorflow.trainer:reduce_per_replica"
 DEVICES = ["/cpu:0", "/cpu:1"]
@@ -473,6 +475,98 @@ class MultiWorkerFitTest(parameterized.TestCase):
         self.fail(_upstream_fixed(fix))
       self.assertEqual(out["error_type"], error_type, out)
       self.assertIn(message, out["error"])
+
+
+def _mixed_precision_fit(strategy) -> keras.Model:
+  """One step of ``fit`` under ``mixed_float16`` on 2 replicas: replica 1's
+  half of the batch is 100 times larger, and its scaled float16 gradients
+  overflow (the first loss scale is 2**15); replica 0's do not."""
+  keras.mixed_precision.set_global_policy("mixed_float16")
+  try:
+    with strategy.scope():
+      keras.utils.set_random_seed(1)
+      model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
+                                keras.layers.Dense(1, dtype="float32")])
+      model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse")
+    x = np.random.default_rng(0).uniform(0.5, 1.0, (8, 4)).astype("float32")
+    x[4:] *= 100  # Replica 1's half of the global batch.
+    model.fit(x, np.zeros((8, 1), "float32"), batch_size=8, epochs=1,
+              shuffle=False, verbose=0)
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  return model
+
+
+@pytest.mark.beside
+@pytest.mark.timeout(120)
+class MirroredMixedPrecisionTest(absltest.TestCase):
+  """Keras's LossScaleOptimizer on 2 replicas of one process."""
+
+  def setUp(self):
+    super().setUp()
+    keras_compat.apply()
+
+  def test_a_step_that_overflows_on_one_replica_is_skipped_by_all(self):
+    model = _mixed_precision_fit(tfdist.make_strategy("mirrored",
+                                                      devices=DEVICES))
+    optimizer = model.optimizer
+    self.assertIsInstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    self.assertEqual(int(optimizer.iterations.numpy()), 0)  # Skipped.
+    self.assertEqual(float(optimizer.dynamic_scale.numpy()), 2.0 ** 14)
+    keras.utils.set_random_seed(1)  # The weights stay the initial ones.
+    with tf.distribute.get_strategy().scope():
+      initial = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
+                                  keras.layers.Dense(1)]).get_weights()
+    for got, want in zip(model.get_weights(), initial):
+      np.testing.assert_array_equal(got, want)
+
+  def test_upstream_still_broken_loss_scale_agreement(self):
+    with _upstream_keras():
+      model = _mixed_precision_fit(tf.distribute.MirroredStrategy(DEVICES))
+    # Replica 0's gradients were finite, so Keras applied the sum, which
+    # holds replica 1's infinities.
+    if all(np.isfinite(w).all() for w in model.get_weights()):
+      self.fail(_upstream_fixed("loss_scale_agreement"))
+    self.assertEqual(int(model.optimizer.iterations.numpy()), 1)
+
+
+@pytest.mark.timeout(300)
+class MixedPrecisionTest(absltest.TestCase):
+  """LossScaleOptimizer on 2 workers, worker 1's first gradients overflowing
+  (tests/scripts/mixed_precision_job.py)."""
+
+  ENV = {"TFDIST_JOB_SECRET": "mixed-precision-test"}
+
+  def test_every_worker_skips_the_same_steps_under_both_transports(self):
+    outs = [r.json() for r in cluster_utils.run_cluster(
+        "mixed_precision_job.py", cluster_utils.worker_configs(2),
+        timeout=150, env=self.ENV)]
+    self.assertEqual(json.dumps(outs[0], sort_keys=True),
+                     json.dumps(outs[1], sort_keys=True))
+    collective, socket = outs[0]["collective"], outs[0]["socket"]
+    # Some steps overflowed (on worker 1 only) and were skipped by both;
+    # some were applied.
+    self.assertLess(collective["scale"], 2.0 ** 15)
+    self.assertBetween(collective["applied"], 1, 5)
+    self.assertEqual((socket["scale"], socket["applied"]),
+                     (collective["scale"], collective["applied"]))
+    # The options of the LossScaleOptimizer reach the optimizer it wraps.
+    self.assertEqual(collective["ring_calls"], 0)
+    self.assertGreaterEqual(socket["ring_calls"], socket["applied"])
+    for a, b in zip(socket["weights"], collective["weights"]):
+      np.testing.assert_allclose(a, b, rtol=1e-5)
+
+  def test_upstream_still_broken_loss_scale_agreement(self):
+    with cluster_utils.Tasks.of_script(
+        "mixed_precision_job.py", cluster_utils.worker_configs(2),
+        args=["--upstream"], env=self.ENV) as tasks:
+      # Worker 1's gradients overflowed: it skipped the step's all-reduce.
+      tasks.wait_for(1, "step 1", 120)
+      try:
+        tasks.wait_for(0, "step 1", 10)
+      except AssertionError:  # Worker 0 waits in the all-reduce it skipped.
+        return
+    self.fail(_upstream_fixed("loss_scale_agreement"))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import cluster_utils
 TOLERANCE = {"bf16": 2e-2, "fp16": 4e-3}
 CASES = ("keras_fit", "tfdist_fit", "runner", "apply_loop", "own_train_step",
          "bf16", "fp16", "accumulation", "clipnorm", "global_clipnorm",
-         "sparse")
+         "sparse", "mixed_precision")
 STEPS = 3
 
 

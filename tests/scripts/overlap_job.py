@@ -150,6 +150,23 @@ def _apply_loop(options):
   return model
 
 
+def _small_targets():
+  x, y = _data()
+  return x, y / 100
+
+
+def _mixed_precision(options):
+  """``fit`` under ``mixed_float16``: Keras wraps the optimizer in a
+  LossScaleOptimizer, whose inner optimizer sums the gradients. The targets
+  are small enough that no step overflows at the first loss scale (2**15):
+  every step crosses."""
+  keras.mixed_precision.set_global_policy("mixed_float16")
+  try:
+    return _keras_fit(options, data=_small_targets)
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+
+
 #: case -> (train(options) -> model, the reference's GradientOptions).
 CASES = {
     "keras_fit": (_keras_fit, {}),
@@ -174,6 +191,7 @@ CASES = {
             0.05, global_clipnorm=0.05)), {}),
     "sparse": (lambda o: _keras_fit(o, build=_embedding_model,
                                     data=_embedding_data), {}),
+    "mixed_precision": (_mixed_precision, {}),
 }
 
 

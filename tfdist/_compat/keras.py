@@ -96,6 +96,7 @@ class Fix:
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
 _OPTIMIZER = "keras.src.backend.tensorflow.optimizer"
+_LOSS_SCALE = "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer"
 _MAKE_FUNCTION = {f"{_TRAINER}:TensorFlowTrainer._make_function":
                   "93aaf1c139f8a7e7"}
 
@@ -122,6 +123,12 @@ FIXES: tuple[Fix, ...] = (
          "72c9ffc2e5a116a1",
          "keras.src.layers.layer:Layer._maybe_build": "2df515fff5375b76"},
         "keras-team/keras#19308"),
+    Fix("loss_scale_agreement",
+        {f"{_LOSS_SCALE}._tf_apply": "d492e03d6b8f7332",
+         f"{_LOSS_SCALE}._common_apply": "74c3ab5ec707779c",
+         f"{_LOSS_SCALE}.check_finite": "37893b552f63d2d2"},
+        "none filed: each replica tests only its own gradients "
+        "(keras-team/keras#18691 wrote the test)"),
     Fix("chief_aware_callbacks",
         {f"{_TRAINER}:TensorFlowTrainer.fit": None,
          f"{_TRAINER}:TensorFlowTrainer.evaluate": None,
@@ -593,6 +600,44 @@ def _lazy_layer_build(original):
   return functools.wraps(original)(wrapper)
 
 
+# --- loss_scale_agreement ------------------------------------------------------
+# Keras's LossScaleOptimizer applies gradients, the all-reduce included, inside
+# a `cond` on whether they are finite, but each replica tests its own, before
+# the sum; under merge_call Keras takes replica 0's answer for the process. A
+# worker whose gradients overflow skips the all-reduce the others wait in (a
+# 2-worker run hung until killed), and in one process replica 1's infinities
+# are summed into the weights. The replicas agree instead: one scalar
+# all-reduce a step counts those that overflowed, and all apply or all skip.
+def _agreed_apply(original):
+  def wrapper(self, grads, trainable_variables=None):
+    context = _in_replicas()
+    if context is None:
+      return original(self, grads, trainable_variables)
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from keras.src import ops  # pylint: disable=g-import-not-at-top
+    total = tf.distribute.ReduceOp.SUM
+
+    def overflowed(g):  # 1.0 where this replica's gradients are not finite.
+      return 1.0 - tf.cast(self.check_finite(g), tf.float32)
+
+    if tf.__internal__.distribute.strategy_supports_no_merge_call():
+      finite = context.all_reduce(total, overflowed(grads)) == 0
+      ops.cond(finite, lambda: self._stateful_handle_finite_grads(
+          grads, trainable_variables), self._stateful_handle_non_finite_grads)
+      return
+
+    def cross_replica(strategy, grads, trainable_variables):
+      each = strategy.extended.call_for_each_replica(overflowed, args=(grads,))
+      finite = strategy.reduce(total, each, axis=None) == 0
+      # Keras's own structure: the cond in the cross-replica context.
+      ops.cond(finite, lambda: strategy.extended.call_for_each_replica(
+          self._stateful_handle_finite_grads,
+          args=(grads, trainable_variables)),
+               self._stateful_handle_non_finite_grads)
+    context.merge_call(cross_replica, args=(grads, trainable_variables))
+  return functools.wraps(original)(wrapper)
+
+
 # --- chief_aware_callbacks -----------------------------------------------------
 # Keras 3 dropped tf_keras's chief-aware file writing: under
 # MultiWorkerMirroredStrategy every worker runs `fit`, and ModelCheckpoint,
@@ -740,6 +785,11 @@ def _layer_class():
   return layer.Layer
 
 
+def _loss_scale_class():
+  from keras.src.optimizers import loss_scale_optimizer  # pylint: disable=g-import-not-at-top
+  return loss_scale_optimizer.LossScaleOptimizer
+
+
 def _optimizer_class():
   from keras.src.optimizers import base_optimizer  # pylint: disable=g-import-not-at-top
   return base_optimizer.BaseOptimizer
@@ -763,6 +813,8 @@ _INSTALLS: dict[str, Callable[[], list[tuple[Any, str, Callable]]]] = {
     "lazy_optimizer_build": lambda: [
         (_optimizer_class(), "apply", _lazy_apply),
         (_layer_class(), "_maybe_build", _lazy_layer_build)],
+    "loss_scale_agreement": lambda: [
+        (_loss_scale_class(), "_tf_apply", _agreed_apply)],
     "chief_aware_callbacks": lambda: [
         (_trainer().TensorFlowTrainer, method, _chief_aware)
         for method in ("fit", "evaluate", "predict")],

@@ -35,7 +35,8 @@ def with_gradient_options(optimizer: Any,
   """Makes ``optimizer`` communicate its gradients as ``options`` say.
 
   Args:
-    optimizer: a Keras 3 optimizer (TensorFlow backend).
+    optimizer: a Keras 3 optimizer (TensorFlow backend); a
+      ``LossScaleOptimizer`` passes them on to the optimizer it wraps.
     options: `GradientOptions`.
 
   Returns:
@@ -61,4 +62,7 @@ def with_gradient_options(optimizer: Any,
   # The hook alone, for a strategy tfdist did not build.
   factory.install_keras_hooks(("strategy_transport",))
   options.attach(optimizer)
+  inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer:
+  if inner is not None and gradient_options_of(inner) is None:  # it sums
+    options.attach(inner)  # through the optimizer it wraps.
   return optimizer
