@@ -533,7 +533,9 @@ class MirroredMixedPrecisionTest(absltest.TestCase):
 @pytest.mark.timeout(300)
 class MixedPrecisionTest(absltest.TestCase):
   """LossScaleOptimizer on 2 workers, worker 1's first gradients overflowing
-  (tests/scripts/mixed_precision_job.py)."""
+  (tests/scripts/mixed_precision_job.py). Upstream, worker 0 waits in the
+  all-reduce worker 1 skipped (``mixed_precision_job.py --upstream``);
+  `MirroredMixedPrecisionTest` fails the day Keras's code changes."""
 
   ENV = {"TFDIST_JOB_SECRET": "mixed-precision-test"}
 
@@ -555,18 +557,6 @@ class MixedPrecisionTest(absltest.TestCase):
     self.assertGreaterEqual(socket["ring_calls"], socket["applied"])
     for a, b in zip(socket["weights"], collective["weights"]):
       np.testing.assert_allclose(a, b, rtol=1e-5)
-
-  def test_upstream_still_broken_loss_scale_agreement(self):
-    with cluster_utils.Tasks.of_script(
-        "mixed_precision_job.py", cluster_utils.worker_configs(2),
-        args=["--upstream"], env=self.ENV) as tasks:
-      # Worker 1's gradients overflowed: it skipped the step's all-reduce.
-      tasks.wait_for(1, "step 1", 120)
-      try:
-        tasks.wait_for(0, "step 1", 10)
-      except AssertionError:  # Worker 0 waits in the all-reduce it skipped.
-        return
-    self.fail(_upstream_fixed("loss_scale_agreement"))
 
 
 if __name__ == "__main__":
