@@ -126,6 +126,10 @@ class QuickBenchTest(absltest.TestCase):
       self.assertGreater(straggler["gradients_allreduce_s"], 0)
       self.assertLess(scaling_raw["scaling_allreduce_ceiling"][model],
                       scaling_raw["scaling_sync_ceiling"][model])
+      # Overlapped, the longer of the step and the all-reduce: in between.
+      self.assertBetween(scaling_raw["scaling_overlap_ceiling"][model],
+                         scaling_raw["scaling_allreduce_ceiling"][model],
+                         scaling_raw["scaling_sync_ceiling"][model])
     for entry in report["targets"].values():  # A miss says by how much, why.
       self.assertTrue(entry["met"] or (entry["short_by"] > 0 and entry["why"]),
                       entry)
