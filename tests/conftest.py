@@ -20,9 +20,7 @@ servers, SLURM and the network bed run one at a time, as they always did;
 classes and modules marked ``pytest.mark.beside`` start no process or server
 of their own and run in the ``beside`` stream, on the other core. The
 clusters stream alone left half the machine idle (waits on peers, bounds and
-single processes): 1631 of 3962 core-seconds in one measured run. The beside
-stream yields the cores to the clusters' processes (`_yield_to_the_clusters`):
-it has the time, they have the bounds.
+single processes): 1631 of 3962 core-seconds in one measured run.
 
 Each module's garbage is collected when the module ends. Left to pile up
 over several modules of in-process TensorFlow tests, one generation-2
@@ -108,38 +106,6 @@ def pytest_xdist_node_collection_finished(node, ids):
         f"group (e.g. {lost[0]}); xdist's --dist loadgroup does not work "
         "with this pytest (pytest-dev/pytest-xdist#1386): install "
         "'pytest<9.2' as setup.cfg's test extra does, or run with -n 0")
-
-
-#: The beside stream's niceness: about a tenth of a core against each busy
-#: process of the clusters stream (beside it at the same priority, the clusters
-#: stream ran 84 s longer than alone, in 1789 s).
-BESIDE_NICE = 10
-_yielded = []
-
-
-def _yield_to_the_clusters() -> None:
-  """Lowers this xdist worker, and what it starts, below the clusters stream.
-
-  Linux shares the CPU between sessions first (autogroups), then between the
-  processes of each, and every task of a cluster leads a session of its own
-  (`cluster_utils.Tasks`): a lower nice in the pytest processes' shared session
-  would count for nothing against them. So the worker leads a session of its
-  own, and lowers it.
-  """
-  try:
-    os.setsid()
-    with open("/proc/self/autogroup", "w") as f:
-      f.write(str(BESIDE_NICE))
-  except OSError:  # No autogroups here: the process's nice is what counts.
-    pass
-  os.nice(BESIDE_NICE)
-
-
-def pytest_runtest_setup(item):
-  if (not _yielded and "PYTEST_XDIST_WORKER" in os.environ
-      and item.get_closest_marker("beside")):
-    _yielded.append(True)
-    _yield_to_the_clusters()
 
 
 def pytest_runtest_logstart(nodeid, location):

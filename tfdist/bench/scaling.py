@@ -187,8 +187,8 @@ def measure(*, quick: bool, batch: dict[str, int], steps: int,
               _waited(f) + f["gradients_allreduce_s"])
           for m, f in straggler.items()},
       "scaling_overlap_ceiling": {
-          m: ceiling[m] * f["sync_factor"] * _waited(f) / max(
-              _waited(f), f["gradients_allreduce_s"])
+          m: ceiling[m] * f["sync_factor"] * min(
+              1.0, _waited(f) / f["gradients_allreduce_s"])
           for m, f in straggler.items()},
       "straggler": straggler,
       "mlp_speedup_vs_raw": med["mlp"]["tfdist"]["2"] / med["mlp"]["raw"]["2"],
