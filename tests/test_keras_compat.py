@@ -521,8 +521,12 @@ class MirroredMixedPrecisionTest(absltest.TestCase):
       np.testing.assert_array_equal(got, want)
 
   def test_upstream_still_broken_loss_scale_agreement(self):
+    # tfdist's strategy, made before Keras's own code is put back: two
+    # upstream MirroredStrategies that train in one process share collective
+    # keys (tests/scripts/two_mirrored.py), and a later test's would fail.
+    strategy = tfdist.make_strategy("mirrored", devices=DEVICES)
     with _upstream_keras():
-      model = _mixed_precision_fit(tf.distribute.MirroredStrategy(DEVICES))
+      model = _mixed_precision_fit(strategy)
     # Replica 0's gradients were finite, so Keras applied the sum, which
     # holds replica 1's infinities.
     if all(np.isfinite(w).all() for w in model.get_weights()):
