@@ -22,16 +22,15 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--upstream", action="store_true")
 args = parser.parse_args()
 
+import keras  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 if args.upstream:
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   strategy = tf.distribute.MultiWorkerMirroredStrategy()
 else:
   import tfdist  # pylint: disable=g-import-not-at-top
   strategy = tfdist.make_strategy("multi_worker_mirrored",
                                   timeout_seconds=60)
-
-import keras  # pylint: disable=g-import-not-at-top
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 STEPS = 6
 PER_WORKER = 4
