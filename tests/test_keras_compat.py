@@ -24,7 +24,7 @@ from tfdist._compat import keras as keras_compat
 import cluster_utils
 
 ALL_FIXES = ("atomic_assign_add", "chief_aware_callbacks",
-             "jit_compile_multi_replica", "lazy_optimizer_build",
+             "distributed_input_autotune", "jit_compile_multi_replica", "lazy_optimizer_build",
              "loss_scale_agreement", "multi_worker_scalar_mean", "scope_errors",
              "steps_per_execution",
              "strategy_transport", "symbolic_build_reduce", "transport_errors")
@@ -497,6 +497,44 @@ def _mixed_precision_fit(strategy) -> tuple[keras.Model, list]:
   finally:
     keras.mixed_precision.set_global_policy("float32")
   return model, initial
+
+
+@pytest.mark.beside
+@pytest.mark.timeout(120)
+class DistributedInputTest(parameterized.TestCase):
+  """Distributed datasets run without tf.data's autotuning thread, whose join
+  stalled the end of each `fit` (`keras_compat._untuned`)."""
+
+  def _device_options(self, strategy, dataset, upstream=False):
+    """The per-device pipelines' autotune options, and the first batch."""
+    with _upstream_keras() if upstream else contextlib.nullcontext():
+      iterator = iter(strategy.experimental_distribute_dataset(dataset))
+      batch = next(iterator)
+    devices = iterator._iterators[0]._iterator._device_iterators  # pylint: disable=protected-access
+    return ([d._dataset.options().autotune.enabled for d in devices],  # pylint: disable=protected-access
+            [t.numpy().tolist() for t in batch.values])
+
+  @parameterized.named_parameters(
+      ("unset", None, False), ("asked_for", True, True), ("off", False, False))
+  def test_a_dataset_keeps_an_autotune_choice_of_its_own(self, asked, kept):
+    keras_compat.apply()
+    dataset = tf.data.Dataset.range(8).batch(4)
+    if asked is not None:
+      options = tf.data.Options()
+      options.autotune.enabled = asked
+      dataset = dataset.with_options(options)
+    self.assertIs(keras_compat._untuned(dataset).options().autotune.enabled,  # pylint: disable=protected-access
+                  kept)
+    strategy = tfdist.make_strategy("mirrored", devices=DEVICES)
+    # The per-device prefetch (a buffer of fixed size) has nothing to tune.
+    self.assertEqual(self._device_options(strategy, dataset),
+                     ([False, False], [[0, 1], [2, 3]]))
+
+  def test_upstream_autotunes_every_device_pipeline(self):
+    strategy = tfdist.make_strategy("mirrored", devices=DEVICES)
+    dataset = tf.data.Dataset.range(8).batch(4)
+    self.assertEqual(self._device_options(strategy, dataset, upstream=True),
+                     ([None, None], [[0, 1], [2, 3]]))
 
 
 @pytest.mark.beside
