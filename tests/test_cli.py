@@ -17,6 +17,7 @@ import cluster_utils
 import tfdist
 from tfdist import report as tfdist_report
 from tfdist._compat import keras as keras_compat
+from tfdist.strategy import keras_hooks
 
 TWO_WORKERS = {"cluster": {"worker": ["127.0.0.1:{p0}", "127.0.0.1:{p1}"]},
                "task": {"type": "worker", "index": 1}}
@@ -73,7 +74,7 @@ class InfoTest(parameterized.TestCase):
       self.assertEqual((system["gpus"], system["driver"]), ([], None))
     # The Keras under test has the code every correction was verified on.
     self.assertEqual(report["keras_corrections"],
-                     {fix.name: [] for fix in keras_compat.FIXES})
+                     {fix.name: [] for fix in keras_compat.FIXES + keras_hooks.HOOKS})
 
   def test_json_tf_config_two_workers(self):
     p0, p1 = cluster_utils.free_ports(2)
@@ -181,8 +182,8 @@ class InfoTest(parameterized.TestCase):
     self.assertIn(f"system:   {platform.platform()}, {os.cpu_count()} CPUs",
                   text)
     self.assertIn("cuda:     built with CUDA ", text)
-    self.assertIn(f"keras:    {len(keras_compat.FIXES)} of "
-                  f"{len(keras_compat.FIXES)} tfdist corrections match this "
+    known = len(keras_compat.FIXES + keras_hooks.HOOKS)
+    self.assertIn(f"keras:    {known} of {known} tfdist corrections match this "
                   "Keras's code\n", text)
 
 

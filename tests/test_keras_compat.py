@@ -21,6 +21,8 @@ import tensorflow as tf
 
 import tfdist
 from tfdist._compat import keras as keras_compat
+from tfdist.strategy import factory
+from tfdist.strategy import keras_hooks
 import cluster_utils
 
 ALL_FIXES = ("atomic_assign_add", "chief_aware_callbacks",
@@ -85,10 +87,14 @@ def _upstream_fixed(fix: str) -> str:
 class FingerprintTest(parameterized.TestCase):
   """Corrections apply where Keras still has the code they were verified on."""
 
+  def setUp(self):
+    super().setUp()
+    factory.install_keras_hooks()  # The host: tfdist's hooks, too.
+
   def test_installed_keras_has_the_verified_code(self):
     # Fails when the venv moves to a Keras whose code changed: re-verify.
     self.assertEqual({f.name: keras_compat.changed_targets(f)
-                      for f in keras_compat.FIXES},
+                      for f in keras_compat.FIXES + keras_hooks.HOOKS},
                      {name: () for name in ALL_FIXES})
     self.assertIn(keras.__version__, keras_compat.VERIFIED_VERSIONS)
 

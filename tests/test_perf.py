@@ -128,7 +128,7 @@ class MirroredTest(parameterized.TestCase):
     # the same key in this process (the suite's other files); its own key
     # range, as TensorFlow's tests give theirs ("Only set this in tests").
     with mock.patch.object(tf.distribute.MirroredStrategy,
-                           "_collective_key_base", 7_000_000):
+                           "_collective_key_base", 1_000_000_000):
       strategy = tf.distribute.MirroredStrategy(DEVICES)
     for v in _hook_sums(strategy, perf.GradientOptions(compression="bf16"),
                         lambda rid: tf.fill([3], 1.0 / 3.0)):

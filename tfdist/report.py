@@ -57,6 +57,7 @@ def gather(*, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
   from tfdist._compat import keras as keras_compat  # Imports Keras.
   from tfdist.cluster import local as local_lib  # Imports TensorFlow.
   from tfdist.strategy import factory
+  from tfdist.strategy import keras_hooks
   from tfdist.strategy import transport as transport_lib
 
   devices = local_lib.local_devices()
@@ -77,7 +78,7 @@ def gather(*, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
       address=info.address, versions=_versions(), devices=devices,
       python=platform.python_version(), system=_system(),
       keras_corrections={fix.name: list(keras_compat.changed_targets(fix))
-                         for fix in keras_compat.FIXES},
+                         for fix in keras_compat.FIXES + keras_hooks.HOOKS},
       checks=_checks(info, environ) + [
           dict(name=variable, ok=False,
                detail=f"received {e.value!r}; expected {e.expected}")

@@ -1,5 +1,9 @@
 """Narrow corrections that make Keras 3 `model.fit` work under tf.distribute.
 
+Only corrections of upstream code live here; tfdist's own features on Keras
+(`tfdist.strategy.keras_hooks`) are installed by the same `apply`, which
+checks their Keras code the same way.
+
 Keras's TensorFlow trainer (``keras/src/backend/tensorflow/trainer.py``) fails
 under some strategies for reasons that are each a few lines long. `apply`
 replaces the affected functions with wrappers that take the corrected path only
@@ -14,11 +18,8 @@ strategy, or with a strategy that already works, runs Keras's own code.
 | ``jit_compile_multi_replica`` | ``TensorFlowTrainer._make_function``          | (MultiWorker)Mirrored, ``jit_compile=True``: refused, see below |
 | ``atomic_assign_add``         | ``Variable.assign_add`` / ``assign_sub``      | ParameterServer: lost increments |
 | ``lazy_optimizer_build``      | ``BaseOptimizer.apply``                       | custom loops: optimizer built inside ``strategy.run`` on several replicas |
-| ``chief_aware_callbacks``     | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their callbacks) | every worker writes ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger paths (`keras_callbacks`) and draws the progress bar |
-| ``strategy_transport``        | ``TFOptimizer._all_reduce_sum_gradients``     | not a bug: gradients take the transport `make_strategy` chose, or the optimizer's `GradientOptions` ask for (`Host.all_reduce`), tfdist's socket ring where it is faster |
 | ``scope_errors``              | ``TFOptimizer.__init__`` (records where), ``add_variable_from_reference``, ``BaseOptimizer.apply`` | not a bug: an optimizer created outside ``strategy.scope()`` fails with "Mixing different tf.distribute.Strategy objects" (plain SGD counts steps twice), a model so built with a bare ``AssertionError``: refused by `Host.refusal`, naming the line to move |
-| ``transport_errors``          | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their errors) | the ring's error (a lost peer, named) comes out of ``tf.numpy_function`` as TensorFlow's ``UnknownError``: raised as itself (`Host.transport_failure`) |
-| ``distributed_input_autotune`` | TensorFlow's ``OwnedMultiDeviceIterator.__init__``, ``_create_device_dataset`` | Mirrored, MultiWorkerMirrored: the end of each distributed iterator (of `fit`, `evaluate`) waits out tf.data's autotuning period, up to 60 s: see `_untuned` |
+| ``distributed_input_autotune`` | TensorFlow's ``OwnedMultiDeviceIterator.__init__``, ``_create_device_dataset`` | MultiWorkerMirrored (measured): the end of each distributed iterator (of `fit`, `evaluate`) waits out tf.data's autotuning period, up to 60 s: see `_untuned` |
 
 **Which Keras gets them: decided at run time from the code, not the version.**
 Each correction records a fingerprint (`fingerprint`: a hash of the source
@@ -41,7 +42,7 @@ behind the user's back.
 Example:
   >>> from tfdist._compat import keras as keras_compat
   >>> keras_compat.apply()
-  ('atomic_assign_add', 'chief_aware_callbacks', ...)
+  ('atomic_assign_add', 'distributed_input_autotune', ...)
 """
 
 from __future__ import annotations
@@ -59,9 +60,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from absl import logging
 
-from tfdist._compat import keras_callbacks
-
 __all__ = [
+    "CAUSE_ATTR",
     "FIXES",
     "Fix",
     "Host",
@@ -89,10 +89,14 @@ class Fix:
       as ``module:qualname``, to its `fingerprint` in the code verified
       here, or to ``None`` where only its public signature matters.
     issue: the upstream issue that tracks the bug.
+    install: for a hook defined elsewhere, each ``module:qualname`` it
+      wraps to its wrapper maker; this module's own are in ``_INSTALLS``.
   """
   name: str
   verified: Mapping[str, str | None]
   issue: str
+  install: Mapping[str, Callable] = dataclasses.field(
+      default_factory=dict, compare=False)
 
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
@@ -133,27 +137,11 @@ FIXES: tuple[Fix, ...] = (
          f"{_LOSS_SCALE}.check_finite": "37893b552f63d2d2"},
         "none filed: each replica tests only its own gradients "
         "(keras-team/keras#18691 wrote the test)"),
-    Fix("chief_aware_callbacks",
-        {f"{_TRAINER}:TensorFlowTrainer.fit": None,
-         f"{_TRAINER}:TensorFlowTrainer.evaluate": None,
-         f"{_TRAINER}:TensorFlowTrainer.predict": None,
-         **keras_callbacks.VERIFIED},
-        "tensorflow/tensorflow#38635 (every worker saves to one path)"),
-    Fix("strategy_transport",
-        {f"{_OPTIMIZER}:TFOptimizer._all_reduce_sum_gradients": None,
-         # The caller, which hands it a list of every (gradient, variable).
-         f"{_OPTIMIZER}:TFOptimizer._backend_update_step": "9be20bff479173f6"},
-        "none: Keras sums gradients by the strategy's collectives only"),
     Fix("scope_errors",
         {f"{_OPTIMIZER}:TFOptimizer.__init__": "fba59c4d6803c945",
          f"{_OPTIMIZER}:TFOptimizer.add_variable_from_reference": None,
          "keras.src.optimizers.base_optimizer:BaseOptimizer.apply": None},
         "none: upstream names no fix"),
-    Fix("transport_errors",
-        {f"{_TRAINER}:TensorFlowTrainer.fit": None,
-         f"{_TRAINER}:TensorFlowTrainer.evaluate": None,
-         f"{_TRAINER}:TensorFlowTrainer.predict": None},
-        "none: an error raised in tf.numpy_function becomes UnknownError"),
     Fix("distributed_input_autotune",
         {f"{_MULTI_DEVICE}:OwnedMultiDeviceIterator.__init__":
          "2d651340464343c6",
@@ -172,20 +160,11 @@ class Host:
     refusal: builds the error raised for a setting that cannot run, called
       with the keywords ``field``, ``value``, ``expected``, ``source`` and
       ``hint`` (`tfdist.ConfigError` fits).
-    is_chief: whether this process writes checkpoints and logs under a
-      strategy (`tfdist.strategy.introspect.is_chief`).
-    all_reduce: ``all_reduce(optimizer, pairs)`` sums a list of
-      ``(gradient, variable)`` pairs in a replica context as the
-      optimizer's options and strategy say, or returns ``None`` to leave
-      them to Keras (`tfdist.strategy.transport.keras_all_reduce`).
-    transport_failure: the error that closed a transport of a strategy (a
-      socket ring that lost a peer), or ``None``
-      (`tfdist.strategy.transport.failure_of`).
+    hooks: tfdist's own hooks, installed after the corrections
+      (`tfdist.strategy.keras_hooks.HOOKS`).
   """
   refusal: Callable[..., Exception]
-  is_chief: Callable[[Any], bool]
-  all_reduce: Callable[[Any, list], list] | None = None
-  transport_failure: Callable[[Any], BaseException | None] | None = None
+  hooks: tuple[Fix, ...] = ()
 
 
 def _value_error(*, field: str, value: Any, expected: str, source: str,
@@ -194,11 +173,7 @@ def _value_error(*, field: str, value: Any, expected: str, source: str,
                     f"({source}). {hint}")
 
 
-def _checkpointing_task(strategy: Any) -> bool:
-  return bool(strategy.extended.should_checkpoint)  # TensorFlow's own rule.
-
-
-_host: list[Host] = [Host(refusal=_value_error, is_chief=_checkpointing_task)]
+_host: list[Host] = [Host(refusal=_value_error)]
 
 _MARK = "__tfdist_keras_compat__"
 _lock = threading.Lock()
@@ -282,25 +257,27 @@ def apply(names: Iterable[str] | None = None, *,
   Args:
     names: install only these of the needed corrections (tests use it to show
       each upstream bug on its own); all of them by default.
-    host: what tfdist's upper floors provide (`Host`); kept for later calls.
-      Without one, errors are ``ValueError`` and the chief is the task
-      TensorFlow checkpoints on.
+    host: what tfdist's upper floors provide (`Host`), its hooks included;
+      kept for later calls. Without one, errors are ``ValueError``.
 
   Returns:
-    The names of the corrections in place after the call.
+    The names of the corrections and hooks in place after the call.
   """
   if host is not None:
     _host[0] = host
-  wanted = set(names) if names is not None else {f.name for f in FIXES}
+  every = FIXES + _host[0].hooks
+  wanted = set(names) if names is not None else {f.name for f in every}
   with _lock:
-    for fix in FIXES:
+    for fix in every:
       if fix.name not in wanted or fix.name in _applied_names:
         continue
       changed = changed_targets(fix)
       if changed:
         _warn_changed_once(fix.name, changed)
         continue
-      for owner, attr, make in _INSTALLS[fix.name]():
+      for owner, attr, make in ([(*_resolve(t), m) for t, m in
+                                 fix.install.items()] if fix.install
+                                else _INSTALLS[fix.name]()):
         _install(owner, attr, make)
       _applied_names.add(fix.name)
   return applied_fixes()
@@ -328,7 +305,7 @@ def _warn_changed_once(name: str, changed: tuple[str, ...]) -> None:
 def _install(owner: Any, attr: str,
              make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
   """Wraps ``owner.attr`` by ``make``, over any wrapper of another maker
-  (``fit`` has two: `_chief_aware`, `_transport_errors`)."""
+  (``fit`` has two hooks)."""
   current = getattr(owner, attr)
   makers = getattr(current, _MARK, ())
   if make in makers:
@@ -648,56 +625,6 @@ def _agreed_apply(original):
   return functools.wraps(original)(wrapper)
 
 
-# --- chief_aware_callbacks -----------------------------------------------------
-# Keras 3 dropped tf_keras's chief-aware file writing: under
-# MultiWorkerMirroredStrategy every worker runs `fit`, and ModelCheckpoint,
-# BackupAndRestore, TensorBoard and CSVLogger write the same paths on every
-# worker. For the length of one `fit`, `evaluate` or `predict`,
-# `keras_callbacks.one_writer` points the other workers at a temporary
-# directory and stages the chief's checkpoints (fit's own validation calls
-# `evaluate` with callbacks already pointed: they are left to fit's). The
-# progress bar is a callback too: with Keras's default ``verbose="auto"`` only
-# the chief draws one (every worker's would show the same numbers).
-def _chief_aware(original):
-  signature = inspect.signature(original)
-
-  def wrapper(self, *args, **kwargs):
-    strategy = self._distribute_strategy  # pylint: disable=protected-access
-    if strategy is None:
-      return original(self, *args, **kwargs)
-    bound = signature.bind(self, *args, **kwargs)
-    chief = _host[0].is_chief(strategy)
-    if not chief and bound.arguments.get("verbose", "auto") == "auto":
-      bound.arguments["verbose"] = 0
-    callbacks = bound.arguments.get("callbacks") or ()
-    with keras_callbacks.one_writer(
-        getattr(callbacks, "callbacks", callbacks),  # A CallbackList, too.
-        chief=chief, refusal=_host[0].refusal):
-      return original(*bound.args, **bound.kwargs)
-  return functools.wraps(original)(wrapper)
-
-
-# tfdist's socket ring sums gradients inside `tf.numpy_function`, which turns
-# any Python error into TensorFlow's UnknownError, the ring's message (which
-# peer was lost, what to do) buried in a traceback. When `fit`, `evaluate` or
-# `predict` fails and a transport of the model's strategy has failed, the
-# transport's error is raised instead, from TensorFlow's.
-def _transport_errors(original):
-  def wrapper(self, *args, **kwargs):
-    try:
-      return original(self, *args, **kwargs)
-    except Exception as e:
-      e.__cause__ = e.__cause__ or getattr(e, _CAUSE, None)  # `_scope_errors`
-      strategy = self._distribute_strategy  # pylint: disable=protected-access
-      failed = _host[0].transport_failure
-      failure = (failed(strategy) if failed is not None
-                 and strategy is not None else None)
-      if failure is None or failure is e:
-        raise
-      raise failure.with_traceback(None) from e
-  return functools.wraps(original)(wrapper)
-
-
 # An optimizer records the strategy it was created under, and works under no
 # other. Created outside `strategy.scope()`, its slot variables fail with
 # "Mixing different tf.distribute.Strategy objects: <...MirroredStrategy> is
@@ -729,7 +656,8 @@ def _scope_errors(original):
       refusal = _scope_refusal(self)
       if refusal is None:
         raise
-      setattr(refusal, _CAUSE, e)  # Keras's traceback filter drops __cause__.
+      # Keras's traceback filter drops __cause__.
+      setattr(refusal, CAUSE_ATTR, e)
       raise refusal from e
     refusal = _scope_refusal(self)
     if refusal is not None and _replicas(self) > 1:
@@ -738,7 +666,8 @@ def _scope_errors(original):
   return functools.wraps(original)(wrapper)
 
 
-_CAUSE = "_tfdist_cause"
+#: The attribute of a refusal that holds upstream's error.
+CAUSE_ATTR = "_tfdist_cause"
 
 
 def _replicas(optimizer: Any) -> int:
@@ -772,17 +701,6 @@ def _scope_refusal(optimizer: Any) -> Exception | None:
       hint=(f"Move `{code}` inside `with strategy.scope():`" if code else
             "Create the optimizer inside `with strategy.scope():`")
       + ", before model.compile")
-
-
-# Every Keras optimizer on TensorFlow sums its gradients here, as its
-# strategy and `tfdist.perf.GradientOptions` say (`Host.all_reduce`).
-def _all_reduce_sum_gradients(original):
-  def wrapper(self, grads_and_vars):
-    grads_and_vars = list(grads_and_vars)
-    route = _host[0].all_reduce
-    summed = route(self, grads_and_vars) if route is not None else None
-    return original(self, grads_and_vars) if summed is None else summed
-  return functools.wraps(original)(wrapper)
 
 
 def _tf_optimizer_class():
@@ -864,19 +782,10 @@ _INSTALLS: dict[str, Callable[[], list[tuple[Any, str, Callable]]]] = {
         (_layer_class(), "_maybe_build", _lazy_layer_build)],
     "loss_scale_agreement": lambda: [
         (_loss_scale_class(), "_tf_apply", _agreed_apply)],
-    "chief_aware_callbacks": lambda: [
-        (_trainer().TensorFlowTrainer, method, _chief_aware)
-        for method in ("fit", "evaluate", "predict")],
-    "strategy_transport": lambda: [
-        (_tf_optimizer_class(), "_all_reduce_sum_gradients",
-         _all_reduce_sum_gradients)],
     "scope_errors": lambda: [
         (_tf_optimizer_class(), "__init__", _record_creation),
         (_tf_optimizer_class(), "add_variable_from_reference", _scope_errors),
         (_optimizer_class(), "apply", _scope_errors)],
-    "transport_errors": lambda: [
-        (_trainer().TensorFlowTrainer, method, _transport_errors)
-        for method in ("fit", "evaluate", "predict")],
     "distributed_input_autotune": lambda: [
         (_multi_device().OwnedMultiDeviceIterator, "__init__", _untuned_host),
         (_multi_device(), "_create_device_dataset", _untuned_device)],

@@ -21,8 +21,8 @@ run's restore, an evaluator) never sees a half-written file. URLs such as
 directories are created by `one_writer` and removed when ``fit`` ends, even on
 error, and every callback gets its own paths back.
 
-`tfdist._compat.keras` applies it to every ``model.fit``, ``evaluate`` and
-``predict`` under a strategy;
+`tfdist.strategy.keras_hooks` applies it to every ``model.fit``,
+``evaluate`` and ``predict`` under a strategy;
 ``tfdist.fit`` and `tfdist.training.chief_aware` call it directly. A callback
 already inside a `one_writer` is left to the outer one.
 """

@@ -37,6 +37,7 @@ from tfdist.errors import ConfigError, StartupTimeoutError
 from tfdist.strategy import catalog
 from tfdist.strategy import clean_exit
 from tfdist.strategy import introspect
+from tfdist.strategy import keras_hooks
 from tfdist.strategy import options as opts
 from tfdist.strategy import server as server_lib
 from tfdist.strategy import startup as startup_lib
@@ -277,11 +278,9 @@ def install_keras_hooks(names: tuple[str, ...] | None = None) -> None:
   """Installs tfdist's corrections and hooks on Keras (idempotent): the
   chief rule, refusals as `tfdist.ConfigError`, gradients by the strategy's
   transport and the optimizer's `GradientOptions`; all, or those ``names``
-  (`tfdist._compat.keras.FIXES`)."""
+  (`tfdist._compat.keras.FIXES`, `tfdist.strategy.keras_hooks.HOOKS`)."""
   keras_compat.apply(names, host=keras_compat.Host(
-      refusal=ConfigError, is_chief=introspect.is_chief,
-      all_reduce=transport_lib.keras_all_reduce,
-      transport_failure=transport_lib.failure_of))
+      refusal=ConfigError, hooks=keras_hooks.HOOKS))
 
 
 def make_strategy(name: str = "auto", *,

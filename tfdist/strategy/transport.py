@@ -11,7 +11,7 @@ each MultiWorkerMirroredStrategy it builds (its ``transport`` option, else
 the ``TFDIST_TRANSPORT`` environment variable, else ``auto``), and every
 Keras optimizer under that strategy (``model.fit``, `tfdist.fit`,
 `tfdist.Runner`, custom loops) sums its gradients by it (`keras_all_reduce`,
-the one hook `tfdist._compat.keras` installs), unless its
+the one hook `tfdist.strategy.keras_hooks` installs), unless its
 `tfdist.perf.GradientOptions` ask for another.
 ``auto`` picks the socket ring when all of these hold, else TensorFlow's
 collectives (`auto_rule`):
@@ -382,8 +382,8 @@ def sum_pairs(pairs: Sequence[tuple[Any, Any]],
 def keras_all_reduce(optimizer, grads_and_vars: list) -> list | None:
   """``optimizer``'s ``(gradient, variable)`` pairs summed over the replicas.
 
-  The one hook of every Keras optimizer (`tfdist._compat.keras` installs
-  it): by the transport the optimizer's `GradientOptions` ask for, else its
+  The one hook of every Keras optimizer (`tfdist.strategy.keras_hooks`
+  installs it): by the transport the optimizer's `GradientOptions` ask for, else its
   strategy's (`gradient_transport`), in their wire dtype.
 
   Returns:

@@ -1,0 +1,112 @@
+"""tfdist's own hooks on Keras: features, not corrections of upstream bugs.
+
+`make_strategy` installs them with the corrections (`tfdist._compat.keras`,
+which checks each hook's Keras code by its fingerprint the same way and
+puts Keras's own back on `restore`).
+
+| hook                      | Keras code wrapped                             | what it adds |
+|---------------------------|------------------------------------------------|--------------|
+| ``chief_aware_callbacks`` | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their callbacks) | every worker wrote ModelCheckpoint, BackupAndRestore, TensorBoard and CSVLogger paths and drew the progress bar: the chief alone does (`tfdist._compat.keras_callbacks`) |
+| ``strategy_transport``    | ``TFOptimizer._all_reduce_sum_gradients``      | gradients take the transport `make_strategy` chose, or the optimizer's `GradientOptions` ask for (`transport.keras_all_reduce`) |
+| ``transport_errors``      | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their errors) | the ring's error (a lost peer, named) came out of ``tf.numpy_function`` as TensorFlow's ``UnknownError``: it is raised as itself |
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from tfdist._compat import keras as keras_compat
+from tfdist._compat import keras_callbacks
+from tfdist.errors import ConfigError
+from tfdist.strategy import introspect
+from tfdist.strategy import transport as transport_lib
+
+__all__ = ["HOOKS"]
+
+_TRAINER = "keras.src.backend.tensorflow.trainer"
+_OPTIMIZER = "keras.src.backend.tensorflow.optimizer"
+
+
+# Keras 3 dropped tf_keras's chief-aware file writing: under
+# MultiWorkerMirroredStrategy every worker runs `fit`, and ModelCheckpoint,
+# BackupAndRestore, TensorBoard and CSVLogger write the same paths on every
+# worker. For the length of one `fit`, `evaluate` or `predict`,
+# `keras_callbacks.one_writer` points the other workers at a temporary
+# directory and stages the chief's checkpoints (fit's own validation calls
+# `evaluate` with callbacks already pointed: they are left to fit's). The
+# progress bar is a callback too: with Keras's default ``verbose="auto"`` only
+# the chief draws one (every worker's would show the same numbers).
+def _chief_aware(original):
+  signature = inspect.signature(original)
+
+  def wrapper(self, *args, **kwargs):
+    strategy = self._distribute_strategy  # pylint: disable=protected-access
+    if strategy is None:
+      return original(self, *args, **kwargs)
+    bound = signature.bind(self, *args, **kwargs)
+    chief = introspect.is_chief(strategy)
+    if not chief and bound.arguments.get("verbose", "auto") == "auto":
+      bound.arguments["verbose"] = 0
+    callbacks = bound.arguments.get("callbacks") or ()
+    with keras_callbacks.one_writer(
+        getattr(callbacks, "callbacks", callbacks),  # A CallbackList, too.
+        chief=chief, refusal=ConfigError):
+      return original(*bound.args, **bound.kwargs)
+  return functools.wraps(original)(wrapper)
+
+
+# tfdist's socket ring sums gradients inside `tf.numpy_function`, which turns
+# any Python error into TensorFlow's UnknownError, the ring's message (which
+# peer was lost, what to do) buried in a traceback. When `fit`, `evaluate` or
+# `predict` fails and a transport of the model's strategy has failed, the
+# transport's error is raised instead, from TensorFlow's.
+def _transport_errors(original):
+  def wrapper(self, *args, **kwargs):
+    try:
+      return original(self, *args, **kwargs)
+    except Exception as e:
+      # A refusal's cause, which Keras's traceback filter dropped.
+      e.__cause__ = e.__cause__ or getattr(e, keras_compat.CAUSE_ATTR, None)
+      strategy = self._distribute_strategy  # pylint: disable=protected-access
+      failure = (transport_lib.failure_of(strategy) if strategy is not None
+                 else None)
+      if failure is None or failure is e:
+        raise
+      raise failure.with_traceback(None) from e
+  return functools.wraps(original)(wrapper)
+
+
+# Every Keras optimizer on TensorFlow sums its gradients here.
+def _all_reduce_sum_gradients(original):
+  def wrapper(self, grads_and_vars):
+    grads_and_vars = list(grads_and_vars)
+    summed = transport_lib.keras_all_reduce(self, grads_and_vars)
+    return original(self, grads_and_vars) if summed is None else summed
+  return functools.wraps(original)(wrapper)
+
+
+_PUBLIC_RUNS = {f"{_TRAINER}:TensorFlowTrainer.{run}": None
+                for run in ("fit", "evaluate", "predict")}  # Two hooks each.
+_ALL_REDUCE = f"{_OPTIMIZER}:TFOptimizer._all_reduce_sum_gradients"
+
+#: Every hook, in the order `make_strategy` installs them after the
+#: corrections.
+HOOKS: tuple[keras_compat.Fix, ...] = (
+    keras_compat.Fix(
+        "chief_aware_callbacks",
+        {**_PUBLIC_RUNS, **keras_callbacks.VERIFIED},
+        "tensorflow/tensorflow#38635 (every worker saves to one path)",
+        install=dict.fromkeys(_PUBLIC_RUNS, _chief_aware)),
+    keras_compat.Fix(
+        "strategy_transport",
+        {_ALL_REDUCE: None,
+         # The caller, which hands it a list of every (gradient, variable).
+         f"{_OPTIMIZER}:TFOptimizer._backend_update_step": "9be20bff479173f6"},
+        "none: Keras sums gradients by the strategy's collectives only",
+        install={_ALL_REDUCE: _all_reduce_sum_gradients}),
+    keras_compat.Fix(
+        "transport_errors", _PUBLIC_RUNS,
+        "none: an error raised in tf.numpy_function becomes UnknownError",
+        install=dict.fromkeys(_PUBLIC_RUNS, _transport_errors)),
+)
