@@ -729,13 +729,13 @@ def _untuned(dataset: Any) -> Any:
   Destroying an iterator joins that thread, and under tf.distribute's
   multi-device iterator (TensorFlow 2.21) the thread is not woken: the join
   waits out its period, which doubles up to 60 s. Measured here on the
-  README's 2-worker example (MultiWorkerMirroredStrategy): one worker's
-  `fit` returned 11-15 s after the other's in each of 6 runs, and both
-  together, 1-2 s sooner, in each of 3 with this correction. Untuning only
-  the host pipeline, or only the per-device prefetch, was not enough (1 of
-  3, 3 of 4 runs still stalled). Without the thread, ``AUTOTUNE``
-  parallelism is the core count and prefetch buffers still grow; a dataset
-  whose ``options.autotune.enabled`` is set keeps its choice.
+  README's 2-worker example (MultiWorkerMirroredStrategy): `fit` returned
+  11-15 s late (on one worker or both) in each of 6 runs, and in none of 6
+  with this correction. Untuning only the host pipeline, or only the
+  per-device prefetch, was not enough (1 of 3, 3 of 4 runs still stalled).
+  Without the thread, ``AUTOTUNE`` parallelism is the core count and
+  prefetch buffers still grow; a dataset whose ``options.autotune.enabled``
+  is set keeps its choice.
   """
   if dataset is None or dataset.options().autotune.enabled is not None:
     return dataset
