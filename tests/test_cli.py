@@ -73,8 +73,9 @@ class InfoTest(parameterized.TestCase):
     if shutil.which("nvidia-smi") is None:  # No driver: nothing invented.
       self.assertEqual((system["gpus"], system["driver"]), ([], None))
     # The Keras under test has the code every correction was verified on.
-    self.assertEqual(report["keras_corrections"],
-                     {fix.name: [] for fix in keras_compat.FIXES + keras_hooks.HOOKS})
+    self.assertEqual(
+        report["keras_corrections"],
+        {fix.name: [] for fix in keras_compat.FIXES + keras_hooks.HOOKS})
 
   def test_json_tf_config_two_workers(self):
     p0, p1 = cluster_utils.free_ports(2)

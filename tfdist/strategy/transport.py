@@ -383,8 +383,8 @@ def keras_all_reduce(optimizer, grads_and_vars: list) -> list | None:
   """``optimizer``'s ``(gradient, variable)`` pairs summed over the replicas.
 
   The one hook of every Keras optimizer (`tfdist.strategy.keras_hooks`
-  installs it): by the transport the optimizer's `GradientOptions` ask for, else its
-  strategy's (`gradient_transport`), in their wire dtype.
+  installs it): by the transport the optimizer's `GradientOptions` ask for,
+  else its strategy's (`gradient_transport`), in their wire dtype.
 
   Returns:
     The summed pairs, or ``None`` where Keras's own all-reduce does the same
