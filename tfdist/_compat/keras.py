@@ -90,7 +90,8 @@ class Fix:
       here, or to ``None`` where only its public signature matters.
     issue: the upstream issue that tracks the bug.
     install: for a hook defined elsewhere, each ``module:qualname`` it
-      wraps to its wrapper maker; this module's own are in ``_INSTALLS``.
+      wraps to its wrapper maker; this module's corrections keep theirs, in
+      the same form, in ``_INSTALLS``.
   """
   name: str
   verified: Mapping[str, str | None]
@@ -101,6 +102,7 @@ class Fix:
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
 _OPTIMIZER = "keras.src.backend.tensorflow.optimizer"
+_BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer"
 _LOSS_SCALE = "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer"
 # TensorFlow's, not Keras's: the distributed input of every Keras `fit`
 # (fingerprints of TensorFlow 2.21.0's code).
@@ -127,7 +129,7 @@ FIXES: tuple[Fix, ...] = (
          "f0a8e1295527cec2"},
         "keras-team/keras#18668"),
     Fix("lazy_optimizer_build",
-        {"keras.src.optimizers.base_optimizer:BaseOptimizer.apply":
+        {f"{_BASE_OPTIMIZER}:BaseOptimizer.apply":
          "72c9ffc2e5a116a1",
          "keras.src.layers.layer:Layer._maybe_build": "2df515fff5375b76"},
         "keras-team/keras#19308"),
@@ -140,7 +142,7 @@ FIXES: tuple[Fix, ...] = (
     Fix("scope_errors",
         {f"{_OPTIMIZER}:TFOptimizer.__init__": "fba59c4d6803c945",
          f"{_OPTIMIZER}:TFOptimizer.add_variable_from_reference": None,
-         "keras.src.optimizers.base_optimizer:BaseOptimizer.apply": None},
+         f"{_BASE_OPTIMIZER}:BaseOptimizer.apply": None},
         "none: upstream names no fix"),
     Fix("distributed_input_autotune",
         {f"{_MULTI_DEVICE}:OwnedMultiDeviceIterator.__init__":
@@ -275,10 +277,8 @@ def apply(names: Iterable[str] | None = None, *,
       if changed:
         _warn_changed_once(fix.name, changed)
         continue
-      for owner, attr, make in ([(*_resolve(t), m) for t, m in
-                                 fix.install.items()] if fix.install
-                                else _INSTALLS[fix.name]()):
-        _install(owner, attr, make)
+      for target, make in (fix.install or _INSTALLS[fix.name]).items():
+        _install(*_resolve(target), make)
       _applied_names.add(fix.name)
   return applied_fixes()
 
@@ -319,11 +319,6 @@ def _install(owner: Any, attr: str,
 def _trainer():
   from keras.src.backend.tensorflow import trainer  # pylint: disable=g-import-not-at-top
   return trainer
-
-
-def _variable_class():
-  from keras.src.backend.common import variables  # pylint: disable=g-import-not-at-top
-  return variables.Variable
 
 
 def _is_multi_worker(strategy: Any) -> bool:
@@ -703,26 +698,6 @@ def _scope_refusal(optimizer: Any) -> Exception | None:
       + ", before model.compile")
 
 
-def _tf_optimizer_class():
-  from keras.src.backend.tensorflow import optimizer  # pylint: disable=g-import-not-at-top
-  return optimizer.TFOptimizer
-
-
-def _layer_class():
-  from keras.src.layers import layer  # pylint: disable=g-import-not-at-top
-  return layer.Layer
-
-
-def _loss_scale_class():
-  from keras.src.optimizers import loss_scale_optimizer  # pylint: disable=g-import-not-at-top
-  return loss_scale_optimizer.LossScaleOptimizer
-
-
-def _optimizer_class():
-  from keras.src.optimizers import base_optimizer  # pylint: disable=g-import-not-at-top
-  return base_optimizer.BaseOptimizer
-
-
 def _untuned(dataset: Any) -> Any:
   """``dataset`` without tf.data's autotuning thread, unless its options ask.
 
@@ -757,36 +732,29 @@ def _untuned_device(original):
   return functools.wraps(original)(wrapper)
 
 
-def _multi_device():
-  from tensorflow.python.data.ops import multi_device_iterator_ops  # pylint: disable=g-import-not-at-top
-  return multi_device_iterator_ops
-
-
-# name -> the (owner, attribute, wrapper maker) triples the fix installs.
-_INSTALLS: dict[str, Callable[[], list[tuple[Any, str, Callable]]]] = {
-    "symbolic_build_reduce": lambda: [
-        (_trainer().TensorFlowTrainer, "_maybe_symbolic_build",
-         _maybe_symbolic_build)],
-    "multi_worker_scalar_mean": lambda: [
-        (_trainer(), "reduce_per_replica", _reduce_per_replica)],
-    "steps_per_execution": lambda: [
-        (_trainer().TensorFlowTrainer, "_make_function", _make_function)],
-    "jit_compile_multi_replica": lambda: [
-        (_trainer().TensorFlowTrainer, "_make_function", _make_function)],
-    "atomic_assign_add": lambda: [
-        (_variable_class(), method,
-         functools.partial(_atomic_assign, method=method))
-        for method in ("assign_add", "assign_sub")],
-    "lazy_optimizer_build": lambda: [
-        (_optimizer_class(), "apply", _lazy_apply),
-        (_layer_class(), "_maybe_build", _lazy_layer_build)],
-    "loss_scale_agreement": lambda: [
-        (_loss_scale_class(), "_tf_apply", _agreed_apply)],
-    "scope_errors": lambda: [
-        (_tf_optimizer_class(), "__init__", _record_creation),
-        (_tf_optimizer_class(), "add_variable_from_reference", _scope_errors),
-        (_optimizer_class(), "apply", _scope_errors)],
-    "distributed_input_autotune": lambda: [
-        (_multi_device().OwnedMultiDeviceIterator, "__init__", _untuned_host),
-        (_multi_device(), "_create_device_dataset", _untuned_device)],
+# name -> each ``module:qualname`` the fix wraps, to its wrapper maker (the
+# form of `Fix.install`).
+_INSTALLS: dict[str, dict[str, Callable]] = {
+    "symbolic_build_reduce": {
+        f"{_TRAINER}:TensorFlowTrainer._maybe_symbolic_build":
+        _maybe_symbolic_build},
+    "multi_worker_scalar_mean": {
+        f"{_TRAINER}:reduce_per_replica": _reduce_per_replica},
+    "steps_per_execution": dict.fromkeys(_MAKE_FUNCTION, _make_function),
+    "jit_compile_multi_replica": dict.fromkeys(_MAKE_FUNCTION, _make_function),
+    "atomic_assign_add": {
+        f"keras.src.backend.common.variables:Variable.{method}":
+        functools.partial(_atomic_assign, method=method)
+        for method in ("assign_add", "assign_sub")},
+    "lazy_optimizer_build": {
+        f"{_BASE_OPTIMIZER}:BaseOptimizer.apply": _lazy_apply,
+        "keras.src.layers.layer:Layer._maybe_build": _lazy_layer_build},
+    "loss_scale_agreement": {f"{_LOSS_SCALE}._tf_apply": _agreed_apply},
+    "scope_errors": {
+        f"{_OPTIMIZER}:TFOptimizer.__init__": _record_creation,
+        f"{_OPTIMIZER}:TFOptimizer.add_variable_from_reference": _scope_errors,
+        f"{_BASE_OPTIMIZER}:BaseOptimizer.apply": _scope_errors},
+    "distributed_input_autotune": {
+        f"{_MULTI_DEVICE}:OwnedMultiDeviceIterator.__init__": _untuned_host,
+        f"{_MULTI_DEVICE}:_create_device_dataset": _untuned_device},
 }
