@@ -43,6 +43,8 @@ import tempfile
 import time
 from typing import Mapping, Sequence
 
+import apt_install
+
 __all__ = ["NetBed", "netbed_unavailable_reason", "SUBNET", "NetBedError"]
 
 #: The bed's addresses: 198.18.0.0/15 is reserved for network benchmarks.
@@ -71,6 +73,11 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
   return proc
 
 
+def _missing_packages() -> list[str]:
+  return sorted({pkg for tool, pkg in _TOOLS.items()
+                 if shutil.which(tool) is None})
+
+
 def netbed_unavailable_reason() -> str | None:
   """Why a `NetBed` cannot run here, or ``None`` when it can.
 
@@ -86,20 +93,11 @@ def netbed_unavailable_reason() -> str | None:
     _reason = ("network namespaces need root: run the suite as root (CI "
                "does) to test several hosts")
     return _reason
-  missing = sorted({pkg for tool, pkg in _TOOLS.items()
-                    if shutil.which(tool) is None})
-  if missing:
-    if shutil.which("apt-get") is None:
-      _reason = f"tools of {missing} are missing and apt-get is not here"
-      return _reason
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update"],
-                ["apt-get", "install", "-y", "--no-install-recommends",
-                 *missing]):
-      proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                            timeout=900, check=False)
-      if proc.returncode != 0:
-        raise NetBedError(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
+  if _missing_packages() and shutil.which("apt-get") is None:
+    _reason = (f"tools of {_missing_packages()} are missing and apt-get is "
+               "not here")
+    return _reason
+  apt_install.install(_missing_packages, error=NetBedError)
   probe = f"tfdist-{os.getpid()}-probe"
   proc = _ip("netns", "add", probe, check=False)
   if proc.returncode != 0:

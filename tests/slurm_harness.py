@@ -41,6 +41,8 @@ from typing import Mapping, Sequence
 
 from tfdist import _net
 
+import apt_install
+
 __all__ = [
     "LocalSlurm",
     "local_node_name",
@@ -53,7 +55,6 @@ __all__ = [
 _COMMANDS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol",
              "sinfo", "squeue", "scancel")
 _PACKAGES = ("slurm-wlm", "munge")
-_INSTALL_TIMEOUT_S = 900
 #: See `LocalSlurm.release_requeued`: more than slurmd's one-second resolution.
 _REQUEUE_RELEASE_DELAY_S = 2.0
 #: The host of a `netbed.NetBed` that runs slurmctld and the commands.
@@ -91,15 +92,8 @@ def slurm_unavailable_reason() -> str | None:
           f"SLURM commands {missing} are missing and cannot be installed "
           "here (needs root and apt-get): apt-get install slurm-wlm munge")
       return _unavailable_reason
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update"],
-                ["apt-get", "install", "-y", "--no-install-recommends",
-                 *_PACKAGES]):
-      proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                            timeout=_INSTALL_TIMEOUT_S, check=False)
-      if proc.returncode != 0:
-        raise SlurmError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                         f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    apt_install.install(lambda: _PACKAGES if _missing_commands() else (),
+                error=SlurmError)
     missing = _missing_commands()
     if missing:
       raise SlurmError(f"installed {_PACKAGES} but {missing} still missing")
