@@ -15,7 +15,6 @@ import sys
 import tempfile
 
 from absl.testing import absltest
-import numpy as np
 import pytest
 
 import cluster_utils
@@ -268,9 +267,9 @@ class TwoNodeSlurmTest(absltest.TestCase):
     self.assertEqual(steps, list(range(int(saved["0"]) + 1,
                                        fault_runs.STEPS + 1)), second)
     result = json.loads(re.search(r"(?m)^0: (\{.*\})$", second).group(1))
-    self.assertEqual(result["iterations"], fault_runs.STEPS)
-    np.testing.assert_allclose(result["weights"], reference["weights"],
-                               rtol=fault_runs.TOLERANCE)
+    # As every fault test: 1e-5 absolute, on weights of order 1 (one weight
+    # near zero was 7e-5 apart relatively, 6e-8 absolutely, once).
+    fault_runs.assert_like(self, result, reference)
 
 if __name__ == "__main__":
   absltest.main()
