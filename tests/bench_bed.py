@@ -51,7 +51,7 @@ def host_names(count: int) -> tuple[str, ...]:
 
 
 def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float,
-               hosts: int = 2
+               hosts: int = 2, model: str | None = None
                ) -> tuple[dict | None, list[str], list[int]]:
   """The chief's report, every launcher's output and their exit codes.
 
@@ -61,6 +61,7 @@ def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float,
     workdir: where the chief writes its report.
     timeout: bound on the launchers, seconds.
     hosts: how many hosts (one worker each).
+    model: ``tfdist bench --model``; the bench's default when ``None``.
   """
   names = host_names(hosts)
   json_path = os.path.join(workdir, f"hosts-{rate}.json")
@@ -71,6 +72,7 @@ def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float,
         "--node-rank", str(rank), "--master-addr", bed.address(names[0]),
         "--master-port", "29400", "--", sys.executable, "-m", "tfdist",
         "bench", "--across-hosts", *(["--quick"] if quick else []),
+        *(["--model", model] if model else []),
         "--json", json_path], env=env, cwd=cluster_utils.REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank, host in enumerate(names)]
@@ -101,6 +103,7 @@ def main() -> int:
                       help="hosts of the bed, one worker each")
   parser.add_argument("--json", required=True)
   parser.add_argument("--plot")
+  parser.add_argument("--model", help="tfdist bench --model")
   parser.add_argument("--timeout", type=float, default=1200)
   parser.add_argument("--doubling", action="store_true",
                       help="small all-reduces: ring against recursive "
@@ -133,7 +136,7 @@ def main() -> int:
       before = os.getloadavg()
       report, outs, codes = run_on_bed(rate, quick=args.quick,
                                        workdir=workdir, timeout=args.timeout,
-                                       hosts=args.hosts)
+                                       hosts=args.hosts, model=args.model)
       after = os.getloadavg()
       if codes != [0] * args.hosts or report is None:
         print(f"bench_bed: {rate}: exit codes {codes}\n" + "\n".join(outs),

@@ -319,6 +319,11 @@ class CliTest(parameterized.TestCase):
       ("bench_quick_project_across_hosts",
        ["bench", "--quick", "--project", "--across-hosts"], None,
        "expected --project without --quick or --across-hosts"),
+      ("bench_model_on_one_machine", ["bench", "--quick", "--model",
+                                      "deep_mlp"], None,
+       "--model: received 'deep_mlp'; expected --model with --across-hosts"),
+      ("bench_unknown_model", ["bench", "--across-hosts", "--model", "vgg"],
+       None, "--model"),
       # The absl example scripts (tfdist.flags.run) answer the same way.
       ("example_misspelt_strategy", [_example("keras_fit.py"),
                                      "--strategy=mirorred"], None,

@@ -18,6 +18,7 @@ from absl.testing import parameterized
 
 import cluster_utils
 from tfdist.bench import allreduce
+from tfdist.bench import models
 from tfdist.bench import report as report_lib
 from tfdist.bench import runner
 from tfdist.bench import scaling
@@ -130,6 +131,18 @@ class QuickBenchTest(absltest.TestCase):
       self.assertBetween(scaling_raw["scaling_overlap_ceiling"][model],
                          scaling_raw["scaling_allreduce_ceiling"][model],
                          scaling_raw["scaling_sync_ceiling"][model])
+      # The largest cluster recorded tfdist's steps: one bucket (fewer bytes
+      # than `bucket_bytes`), every gradient's bytes, summed once ready.
+      steps = scaling_raw["timeline"][model]["steps"]
+      self.assertLen(steps, runner.QUICK.timeline_steps)
+      for step in steps:
+        self.assertEqual([b["bytes"] for b in step["buckets"]],
+                         [4 * models.MODELS[model].build().count_params()])
+        bucket = step["buckets"][0]
+        self.assertTrue(0 < bucket["ready"] <= bucket["began"]
+                        <= bucket["ended"], step)
+      self.assertEqual(scaling_raw["timeline"][model]["summary"]["steps"],
+                       len(steps))
     for entry in report["targets"].values():  # A miss says by how much, why.
       self.assertTrue(entry["met"] or (entry["short_by"] > 0 and entry["why"]),
                       entry)

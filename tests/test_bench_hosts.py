@@ -83,6 +83,22 @@ class AcrossHostsTest(parameterized.TestCase):
         1 / (training["overlap_step_s"] * training["steps_per_s"]["raw"]))
     self.assertEqual(set(report["raw"]["training"]["steps_per_s"]),
                      {"raw", "tfdist", "alone"})
+    # The timeline: every recorded step's buckets, in order, each summed
+    # after its gradients existed, all of the gradients' bytes; the backward
+    # pass ends when its last bucket is ready.
+    steps = training["timeline"]
+    self.assertLen(steps, hosts_lib.HOSTS_QUICK.timeline_steps)
+    for step in steps:
+      buckets = step["buckets"]
+      self.assertEqual([b["bucket"] for b in buckets],
+                       list(range(len(buckets))))
+      self.assertGreater(len(buckets), 1)  # 33.6 MB, 25 MiB buckets.
+      self.assertEqual(sum(b["bytes"] for b in buckets),
+                       training["gradient_bytes"])
+      for b in buckets:
+        self.assertTrue(0 < b["ready"] <= b["began"] <= b["ended"], b)
+      self.assertEqual(step["backward_s"], [0.0, buckets[-1]["ready"]])
+    self.assertEqual(training["timeline_summary"]["steps"], len(steps))
     busy = sweep["socket"]["4"]["machine_busy"]
     self.assertTrue(0 < busy <= 1, busy)
     chief_out = next(o for o in outs if "across 2 workers" in o)
@@ -199,6 +215,25 @@ class WhyNotTest(parameterized.TestCase):
     self.assertIn("the longer of 200 ms of compute (alone) and 100 ms of its "
                   "100.0 MB over the link: 200 ms, 0.80 of tfdist's step "
                   "(>= 0.85 wanted)", why)
+
+  def test_overlap_with_a_timeline(self):
+    target = next(t for t in hosts_lib.TARGETS
+                  if t.key == "training_fraction_of_overlap_ceiling")
+    training = {"steps_per_s": {"raw": 2.0, "tfdist": 4.0, "alone": 5.0},
+                "gradient_bytes": 100e6, "link_step_s": 0.3,
+                "overlap_step_s": 0.2,
+                "timeline_summary": {"steps": 5, "backward_s": 0.15,
+                                     "first_ready_s": 0.05,
+                                     "allreduce_s": 0.1, "hidden": 0.4,
+                                     "exposed_s": 0.06,
+                                     "bytes_per_s_during": 20e6,
+                                     "bytes_per_s_after": 110e6}}
+    why = hosts_lib.why_not(target, sweep={}, fractions={},
+                            training=training)["why"]
+    self.assertIn("the timeline (median of 5 steps): a 150 ms backward pass "
+                  "whose first bucket was ready at 50 ms, 100 ms of buckets on the ring, 0.40 of it during the "
+                  "pass, 60 ms after it; the ring moved 20 MB/s in the buckets "
+                  "it began during the pass, 110 MB/s after", why)
 
   def test_a_miss_without_a_why_is_refused(self):
     report = {"headline": {k: 1.0 for k in hosts_lib.HEADLINE_KEYS},

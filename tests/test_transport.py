@@ -26,6 +26,8 @@ import cluster_utils
 from test_ring import WIRE_RTOL
 import tfdist
 from tfdist import perf
+from tfdist.bench import models
+from tfdist.strategy import timeline
 from tfdist.strategy import transport as transport_lib
 
 DEVICES = ["/cpu:0", "/cpu:1"]
@@ -295,6 +297,99 @@ class PackingTest(parameterized.TestCase):
     third = buffers.take(1000)  # Both in use, two kept: a new one.
     self.assertNotIn(third.ctypes.data, [address, second_address])
     self.assertEqual([a.size for a in again + [third]], [1000] * 3)
+
+
+def _bucket_note(bucket, of, ready, began, ended, nbytes=8):
+  return {"event": "bucket", "bucket": bucket, "of": of, "bytes": nbytes,
+          "ready": ready, "began": began, "ended": ended}
+
+
+@pytest.mark.beside
+class TimelineTest(parameterized.TestCase):
+  """`timeline.steps` and `summary` cut and read what a recording noted."""
+
+  @parameterized.named_parameters(
+      # Two whole steps of two buckets; the second ends 2 after its pass.
+      ("two_steps",
+       [{"event": "backward_start", "t": 10.0},
+        _bucket_note(0, 2, 11.0, 11.0, 13.0), _bucket_note(1, 2, 14.0, 14.0,
+                                                            15.0),
+        {"event": "backward_start", "t": 20.0},
+        _bucket_note(0, 2, 21.0, 22.0, 23.0), _bucket_note(1, 2, 24.0, 24.0,
+                                                            26.0)],
+       [(4.0, [(1.0, 1.0, 3.0), (4.0, 4.0, 5.0)]),
+        (4.0, [(1.0, 2.0, 3.0), (4.0, 4.0, 6.0)])],
+       {"steps": 2, "backward_s": 4.0, "first_ready_s": 1.0,
+        "allreduce_s": 3.0,
+        "hidden": (2 / 3 + 1 / 3) / 2, "exposed_s": 1.5,
+        "bytes_per_s_during": (4.0 + 8.0) / 2, "bytes_per_s_after": 6.0}),
+      # Opened mid-step: the step cut short is left out.
+      ("cut_short",
+       [_bucket_note(1, 2, 4.0, 4.0, 5.0),
+        {"event": "backward_start", "t": 10.0},
+        _bucket_note(0, 2, 12.0, 12.0, 13.0), _bucket_note(1, 2, 14.0, 15.0,
+                                                            16.0)],
+       [(4.0, [(2.0, 2.0, 3.0), (4.0, 5.0, 6.0)])],
+       {"steps": 1, "backward_s": 4.0, "first_ready_s": 2.0,
+        "allreduce_s": 2.0, "hidden": 0.5,
+        "exposed_s": 2.0, "bytes_per_s_during": 8.0,
+        "bytes_per_s_after": 8.0}),
+      # No marker in the model: a step starts at its first bucket.
+      ("unmarked", [_bucket_note(0, 1, 5.0, 5.5, 6.0)],
+       [(0.0, [(0.0, 0.5, 1.0)])],
+       {"steps": 1, "backward_s": 0.0, "first_ready_s": 0.0,
+        "allreduce_s": 0.5, "hidden": 0.0,
+        "exposed_s": 1.0, "bytes_per_s_during": 0.0,
+        "bytes_per_s_after": 16.0}),
+      ("nothing", [], [], {"steps": 0, "backward_s": 0.0, "first_ready_s": 0.0,
+                           "allreduce_s": 0.0, "hidden": 0.0,
+                           "exposed_s": 0.0, "bytes_per_s_during": 0.0,
+                           "bytes_per_s_after": 0.0}),
+  )
+  def test_steps_and_summary(self, notes, expected, summary):
+    steps = timeline.steps(notes)
+    self.assertEqual(
+        [(s["backward_s"][1], [(b["ready"], b["began"], b["ended"])
+                               for b in s["buckets"]]) for s in steps],
+        expected)
+    for s in steps:
+      self.assertEqual(s["backward_s"][0], 0.0)
+      self.assertEqual([b["bucket"] for b in s["buckets"]],
+                       list(range(len(s["buckets"]))))
+    got = timeline.summary(steps)
+    self.assertEqual(set(got), set(summary))
+    for key, value in summary.items():
+      self.assertAlmostEqual(got[key], value, msg=key)
+
+  def test_a_marked_model_notes_each_backward_pass_only_while_recording(self):
+    inner = models.MODELS["mlp"].build()
+    model = models.marked(inner)
+    self.assertEqual([v.name for v in model.trainable_variables],
+                     [v.name for v in inner.trainable_variables])
+    x, y = tf.ones((4, 784)), tf.zeros((4,), tf.int32)
+
+    @tf.function
+    def step():
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+            y, model(x, training=True), from_logits=True))
+      return tape.gradient(loss, model.trainable_variables)
+
+    step()  # Nothing records: nothing is noted.
+    with timeline.recording() as notes:
+      before = [g.numpy() for g in step()]
+      step()
+    step()
+    self.assertEqual([n["event"] for n in notes], ["backward_start"] * 2)
+    self.assertLess(notes[0]["t"], notes[1]["t"])
+    # The marker passes the gradient through: the inner model's own.
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+          y, inner(x, training=True), from_logits=True))
+    unmarked = tape.gradient(loss, model.trainable_variables)
+    self.assertLen(before, 6)
+    for got, want in zip(before, unmarked):
+      np.testing.assert_array_equal(got, want.numpy())
 
 
 @pytest.mark.timeout(400)

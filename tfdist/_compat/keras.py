@@ -294,12 +294,14 @@ def restore() -> None:
 
 @functools.lru_cache(maxsize=None)
 def _warn_changed_once(name: str, changed: tuple[str, ...]) -> None:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   logging.warning(
-      "tfdist: Keras %s changed %s since the code tfdist's correction %r was "
-      "verified on (Keras %s); the correction is not applied, and what it "
-      "corrects may fail (see tfdist/_compat/keras.py). tfdist's tests tell "
-      "whether it is still needed.", _keras_version_string(),
-      ", ".join(changed), name, ", ".join(VERIFIED_VERSIONS))
+      "tfdist: %s changed in Keras %s / TensorFlow %s since the code "
+      "tfdist's correction %r was verified on (Keras %s); the correction is "
+      "not applied, and what it corrects may fail (see "
+      "tfdist/_compat/keras.py). tfdist's tests tell whether it is still "
+      "needed.", ", ".join(changed), _keras_version_string(), tf.__version__,
+      name, ", ".join(VERIFIED_VERSIONS))
 
 
 def _install(owner: Any, attr: str,

@@ -14,6 +14,11 @@ their number, once its loops are built and warm: a 1-worker cluster then
 trains on 1 core, and 2 workers on 2 cores do not share one. The all-reduce
 sweep that follows runs unpinned.
 
+With ``"timeline_steps": k`` every variant's model carries a backward-pass
+marker (`tfdist.bench.models.marked`), and after the timed windows the
+``tfdist`` variant trains k more steps while `tfdist.strategy.timeline`
+records them: its result's ``timeline``.
+
 Variants ``alone`` train a model of the worker's own outside the strategy
 (the same model, batch and data, nothing exchanged): the machine's ceiling.
 With ``"alone_steps": k`` every worker then times k single steps of each
@@ -144,6 +149,14 @@ def train_variants(strategy, spec: dict, cores: list[int]) -> dict:
       loops[key](spec["steps"])
       times[key].append(time.perf_counter() - start)
   result: dict[str, dict] = {}
+  timelines = {}
+  if spec.get("timeline_steps"):
+    from tfdist.strategy import timeline  # pylint: disable=g-import-not-at-top
+    for (name, variant), loop in loops.items():
+      if variant == "tfdist":
+        with timeline.recording() as notes:
+          loop(spec["timeline_steps"])
+        timelines[(name, variant)] = timeline.steps(notes)
   if spec.get("alone_steps"):
     result["alone_steps_s"] = {
         name: _one_by_one(loop, spec["alone_steps"])
@@ -157,6 +170,8 @@ def train_variants(strategy, spec: dict, cores: list[int]) -> dict:
         "samples_per_s": global_batch / per_step,
         "windows_s": ts,
     }
+    if (name, variant) in timelines:
+      result[name][variant]["timeline"] = timelines[(name, variant)]
   return result
 
 
@@ -178,13 +193,16 @@ def _make_loop(strategy, name: str, variant: dict, spec: dict):
   from tfdist.bench import models  # pylint: disable=g-import-not-at-top
   model_spec = models.MODELS[name]
   if variant["name"] == "alone":
-    return _alone_loop(model_spec, spec["batch"][name])
+    return _alone_loop(model_spec, spec["batch"][name],
+                       marked=bool(spec.get("timeline_steps")))
   k = variant.get("accumulation_steps", 1)
   per_replica = spec["batch"][name] * k  # Samples per update on a replica.
   global_batch = per_replica * strategy.num_replicas_in_sync
   keras.utils.set_random_seed(0)
   with strategy.scope():
     model = model_spec.build()
+    if spec.get("timeline_steps"):  # Every variant runs the marker.
+      model = models.marked(model)
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
     options = {key: v for key, v in variant.items()
                if key not in ("name", "accumulation_steps", "loss_each_step")}
@@ -220,7 +238,7 @@ def _make_loop(strategy, name: str, variant: dict, spec: dict):
   return lambda n: runner.train(runner.step + n)
 
 
-def _alone_loop(model_spec, batch: int):
+def _alone_loop(model_spec, batch: int, *, marked: bool):
   """``run(n)``: ``n`` steps of a model of this worker's own, no strategy.
 
   The same model, batch, optimizer and data as the other variants, with
@@ -230,7 +248,7 @@ def _alone_loop(model_spec, batch: int):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist.bench import models  # pylint: disable=g-import-not-at-top
   keras.utils.set_random_seed(0)
-  model = model_spec.build()
+  model = models.marked(model_spec.build()) if marked else model_spec.build()
   optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
   loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
   iterator = iter(models.synthetic_dataset(model_spec, batch,

@@ -60,13 +60,13 @@ from tfdist.bench import report as report_lib
 from tfdist.bench import runner
 from tfdist.bench import scaling
 from tfdist.bench.report import Target
+from tfdist.strategy import timeline
 from tfdist.errors import ConfigError
 
 __all__ = ["HostsConfig", "HOSTS_QUICK", "HOSTS_FULL", "TARGETS", "run",
            "validate", "format_table"]
 
 _SOURCE = "tfdist bench --across-hosts"
-_MODEL = "wide_mlp"
 _HEADLINE_METHOD = "socket"  # What training uses (through TensorFlow).
 
 
@@ -76,6 +76,7 @@ class HostsConfig:
 
   Attributes:
     quick: the CI preset.
+    model: the `tfdist.bench.models.MODELS` entry trained.
     sizes_mb: float32 tensor sizes of the all-reduce sweep (MiB).
     methods: `tfdist.bench.allreduce.METHODS` entries to time.
     iterations: timed all-reduces per size and method.
@@ -85,10 +86,13 @@ class HostsConfig:
     train_steps: steps per timing window.
     train_rounds: timing windows per variant.
     warmup_steps: untimed steps per variant first.
+    timeline_steps: steps of tfdist's variant recorded after the timing
+      (`tfdist.strategy.timeline`): the backward pass and each bucket.
     timeout_s: bound on connecting and on any one socket operation of the
       link measurement.
   """
   quick: bool = False
+  model: str = "wide_mlp"
   sizes_mb: tuple[float, ...] = (1, 4, 16, 64)
   methods: tuple[str, ...] = ("none", "bf16", "socket", "socket_bf16",
                               "ring", "ring_bf16", "ring_polled", "exchange")
@@ -99,6 +103,7 @@ class HostsConfig:
   train_steps: int = 10
   train_rounds: int = 3
   warmup_steps: int = 2
+  timeline_steps: int = 5
   timeout_s: float = 120.0
 
 
@@ -106,7 +111,8 @@ HOSTS_QUICK = HostsConfig(quick=True, sizes_mb=(4,),
                           methods=("none", "socket", "socket_bf16", "ring",
                                    "ring_bf16", "exchange"),
                           iterations=2, link_seconds=1.0, link_repeats=1,
-                          train_steps=3, train_rounds=1, warmup_steps=1)
+                          train_steps=3, train_rounds=1, warmup_steps=1,
+                          timeline_steps=2)
 HOSTS_FULL = HostsConfig()
 
 #: The targets across hosts, for ratios measured within one run.
@@ -169,20 +175,22 @@ def run(config: HostsConfig, *, json_path: str | None = None,
   sweep = allreduce_lib.sweep(strategy, sizes_mb=config.sizes_mb,
                               methods=config.methods,
                               iterations=config.iterations)
-  log(f"tfdist bench: training {_MODEL} ...")
-  spec = {"models": {_MODEL: [{"name": "raw"},
-                              {"name": "tfdist", **scaling.RECOMMENDED},
-                              {"name": "alone"}]},
-          "batch": {_MODEL: config.batch}, "steps": config.train_steps,
+  log(f"tfdist bench: training {config.model} ...")
+  spec = {"models": {config.model: [
+              {"name": "raw"}, {"name": "tfdist", **scaling.RECOMMENDED},
+              {"name": "alone"}]},
+          "batch": {config.model: config.batch}, "steps": config.train_steps,
           "rounds": config.train_rounds,
-          "warmup_steps": config.warmup_steps}
+          "warmup_steps": config.warmup_steps,
+          "timeline_steps": config.timeline_steps}
   train = cluster_worker.train_variants(strategy, spec,
                                         sorted(os.sched_getaffinity(0)))
   if not tfdist.is_chief(strategy):
     return None
   report = build(config=dataclasses.asdict(config), hosts=hosts, link=link,
-                 sweep=sweep, train=train[_MODEL],
-                 gradient_bytes=4 * models.MODELS[_MODEL].build().count_params(),
+                 sweep=sweep, train=train[config.model],
+                 gradient_bytes=4 * models.MODELS[config.model].build()
+                 .count_params(),
                  machine=runner.machine())
   validate(report)
   if json_path:
@@ -225,10 +233,13 @@ def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
   compute_s = 1 / speed["alone"]
   wire_s = gradient_bytes * 2 * (n - 1) / n / rate
   link_step_s, overlap_step_s = compute_s + wire_s, max(compute_s, wire_s)
-  training = {"model": _MODEL, "steps_per_s": speed,
+  training = {"model": config["model"], "steps_per_s": speed,
               "gradient_bytes": gradient_bytes, "link_step_s": link_step_s,
               "overlap_step_s": overlap_step_s,
               "windows_s": {v: f["windows_s"] for v, f in train.items()}}
+  if train["tfdist"].get("timeline"):
+    training["timeline"] = train["tfdist"]["timeline"]
+    training["timeline_summary"] = timeline.summary(training["timeline"])
   headline = {
       "link_bytes_per_s": float(rate),
       "allreduce_fraction_of_link": smallest(_HEADLINE_METHOD),
@@ -361,7 +372,23 @@ def _why_overlap(target: Target, *, training: dict, **_) -> dict:
       f"less than the longer of {compute:.0f} ms of compute (alone) and "
       f"{wire:.0f} ms of its {training['gradient_bytes'] / 1e6:.1f} MB over "
       f"the link: {floor:.0f} ms, {floor / step:.2f} of tfdist's step "
-      f"({target.text} wanted); the rest is what did not overlap")}
+      f"({target.text} wanted); the rest is what did not overlap"
+      + _timeline_line(training))}
+
+
+def _timeline_line(training: dict) -> str:
+  """What the recorded timeline says of the overlap, or nothing."""
+  t = training.get("timeline_summary")
+  if not t:
+    return ""
+  return (f"; the timeline (median of {t['steps']} steps): a "
+          f"{t['backward_s'] * 1e3:.0f} ms backward pass whose first bucket "
+          f"was ready at {t['first_ready_s'] * 1e3:.0f} ms, "
+          f"{t['allreduce_s'] * 1e3:.0f} ms of buckets on the ring, "
+          f"{t['hidden']:.2f} of it during the pass, "
+          f"{t['exposed_s'] * 1e3:.0f} ms after it; the ring moved "
+          f"{t['bytes_per_s_during'] / 1e6:.0f} MB/s in the buckets it began "
+          f"during the pass, {t['bytes_per_s_after'] / 1e6:.0f} MB/s after")
 
 
 #: How each target's miss is explained: target key -> explainer.
@@ -471,8 +498,13 @@ def write_plot(reports: dict[str, dict], path: str) -> None:
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   from tfdist.bench import plot  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, len(reports), figsize=(5.5 * len(reports), 4.2),
+  rows = 1 + any(r["raw"]["training"].get("timeline") for r in reports.values())
+  fig, axes = plt.subplots(rows, len(reports),
+                           figsize=(5.5 * len(reports), 4.2 * rows),
                            squeeze=False)
+  for ax, report in zip(axes[-1], reports.values()):
+    if rows > 1:
+      _plot_timeline(ax, report["raw"]["training"].get("timeline") or [])
   for ax, (label, report) in zip(axes[0], reports.items()):
     fractions = report["raw"]["allreduce"]["fraction_of_link"]
     for method, per_size in fractions.items():
@@ -482,14 +514,41 @@ def write_plot(reports: dict[str, dict], path: str) -> None:
     ax.axhline(1.0, color="black", linestyle=":", label="the link (TCP)")
     speed = report["raw"]["training"]["steps_per_s"]
     ceiling = report["headline"].get("training_overlap_ceiling_vs_raw")
-    ax.set(xlabel="tensor size (MiB, float32)",
-           ylabel="bus bandwidth / link",
-           title=(f"{label}: link {report['headline']['link_bytes_per_s'] / 1e6:.0f}"
-                  f" MB/s; {_MODEL} x{speed['tfdist'] / speed['raw']:.2f}"
-                  + (f" (overlapped, at most x{ceiling:.2f})"
-                     if ceiling else "")))
+    ax.set(xlabel="tensor size (MiB, float32)", ylabel="bus bandwidth / link")
+    ax.set_title(
+        f"{label}: link {report['headline']['link_bytes_per_s'] / 1e6:.0f} "
+        f"MB/s; {report['raw']['training']['model']} "
+        f"x{speed['tfdist'] / speed['raw']:.2f}"
+        + (f" (overlapped, at most x{ceiling:.2f})" if ceiling else ""),
+        fontsize=9)
     ax.set_xscale("log", base=2)
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
+
+
+def _plot_timeline(ax, steps: list[dict], shown: int = 3) -> None:
+  """The last ``shown`` recorded steps of tfdist's training, one above the
+  other: the backward pass, and each bucket waiting (pale) and on the ring."""
+  for row, step in enumerate(steps[-shown:]):
+    y = row * (len(step["buckets"]) + 2)
+    start, end = step["backward_s"]
+    ax.barh(y, (end - start) * 1e3, left=start * 1e3, color="grey",
+            label="backward pass" if row == 0 else None)
+    for b in step["buckets"]:
+      at = y + 1 + b["bucket"]
+      ax.barh(at, (b["began"] - b["ready"]) * 1e3, left=b["ready"] * 1e3,
+              color="tab:blue", alpha=0.3,
+              label="bucket ready, waiting" if row == b["bucket"] == 0
+              else None)
+      ax.barh(at, (b["ended"] - b["began"]) * 1e3, left=b["began"] * 1e3,
+              color="tab:blue",
+              label=f"bucket on the ring ({len(step['buckets'])} a step)"
+              if row == b["bucket"] == 0 else None)
+  ax.invert_yaxis()
+  ax.set(xlabel="ms from the backward pass's start", yticks=[],
+         title=f"tfdist's last {min(shown, len(steps))} recorded steps")
+  if steps:
+    ax.legend(fontsize=7)
+

@@ -6,6 +6,9 @@
   ~30 MFLOP per sample: compute-bound.
 * ``wide_mlp``: 1024-4096-1024-10, 8,403,978 parameters: 33.6 MB of float32
   gradients a step, for the bench across hosts, where the link is the limit.
+* ``deep_mlp``: 2048, eight Dense(2048), 10: 33,591,306 parameters, 134 MB
+  of gradients, mostly eight kernels of 16.8 MB that the backward pass makes
+  one after another: where buckets crossing during the pass matter most.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import functools
 from typing import Callable
 
 __all__ = ["ModelSpec", "MODELS", "set_threads", "synthetic_dataset",
-           "raw_step", "raw_loop"]
+           "raw_step", "raw_loop", "marked"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,7 +68,30 @@ MODELS: dict[str, ModelSpec] = {
     "wide_mlp": ModelSpec(name="wide_mlp", input_shape=(1024,), classes=10,
                           build=functools.partial(_dense_stack, 1024,
                                                   (4096, 1024))),
+    "deep_mlp": ModelSpec(name="deep_mlp", input_shape=(2048,), classes=10,
+                          build=functools.partial(_dense_stack, 2048,
+                                                  (2048,) * 8)),
 }
+
+
+def marked(model):
+  """``model`` whose output's gradient notes the backward pass's start
+  (`tfdist.strategy.timeline.mark_backward_start`); same variables, same
+  order. The note is one Python call a step, also when nothing records."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdist.strategy import timeline  # pylint: disable=g-import-not-at-top
+
+  @tf.custom_gradient
+  def mark(x):
+    def gradient(dy):
+      marked_dy = tf.numpy_function(timeline.mark_backward_start, [dy],
+                                    dy.dtype, stateful=True)
+      marked_dy.set_shape(dy.shape)
+      return marked_dy
+    return tf.identity(x), gradient
+
+  return keras.Sequential([model, keras.layers.Lambda(mark)])
 
 
 def set_threads(intra: int, inter: int) -> None:

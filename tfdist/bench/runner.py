@@ -43,6 +43,9 @@ class BenchConfig:
     alone_steps: single ``alone`` steps each worker of a cluster of 2 or
       more times one by one (how far the slowest worker's step is from the
       average: `tfdist.bench.scaling`).
+    timeline_steps: steps of the largest cluster's ``tfdist`` variant
+      recorded by `tfdist.strategy.timeline` (the report's
+      ``raw.scaling.timeline``).
     cluster_repeats: times each cluster size is launched.
     allreduce_mb: float32 tensor sizes of the all-reduce sweep.
     allreduce_iterations: timed all-reduces per size.
@@ -63,6 +66,7 @@ class BenchConfig:
   train_steps: int = 40
   train_rounds: int = 2
   alone_steps: int = 40
+  timeline_steps: int = 5
   cluster_repeats: int = 2
   allreduce_mb: tuple[float, ...] = (1, 4, 16, 64)
   allreduce_iterations: int = 5
@@ -77,7 +81,7 @@ class BenchConfig:
 
 QUICK = BenchConfig(quick=True, overhead_steps=20, overhead_rounds=1,
                     train_steps=10, train_rounds=1, alone_steps=10,
-                    cluster_repeats=1,
+                    timeline_steps=2, cluster_repeats=1,
                     allreduce_mb=(1, 4), allreduce_iterations=2,
                     loopback_mb=64, doubling_ranks=(2, 3),
                     doubling_kb=(4, 256), doubling_windows=2,
@@ -102,7 +106,8 @@ def _scaling(c: BenchConfig, results: Results) -> dict:
   return scaling_lib.measure(
       quick=c.quick, batch=_BATCH, steps=c.train_steps, warmup_steps=3,
       rounds=c.train_rounds, cluster_repeats=c.cluster_repeats,
-      alone_steps=c.alone_steps, allreduce_mb=list(c.allreduce_mb),
+      alone_steps=c.alone_steps, timeline_steps=c.timeline_steps,
+      allreduce_mb=list(c.allreduce_mb),
       allreduce_iterations=c.allreduce_iterations, timeout_s=c.timeout_s,
       pin_cores=c.pin_cores)
 

@@ -41,6 +41,7 @@ import statistics
 
 from tfdist.bench import allreduce
 from tfdist.bench import procs
+from tfdist.strategy import timeline
 
 __all__ = ["RECOMMENDED", "worker_counts", "variants", "sync_factor",
            "measure"]
@@ -109,11 +110,14 @@ def measure(*, quick: bool, batch: dict[str, int], steps: int,
             warmup_steps: int, rounds: int, cluster_repeats: int,
             allreduce_mb: list[float], allreduce_iterations: int,
             timeout_s: float, pin_cores: bool = True, alone_steps: int = 0,
-            counts: list[int] | None = None) -> dict:
+            timeline_steps: int = 0, counts: list[int] | None = None) -> dict:
   """Runs every cluster ``cluster_repeats`` times; medians of samples/s.
 
   With ``alone_steps``, the largest cluster's workers time that many single
-  ``alone`` steps each (``straggler`` in the result).
+  ``alone`` steps each (``straggler`` in the result). With
+  ``timeline_steps``, its first run records that many steps of each model's
+  ``tfdist`` variant (`tfdist.strategy.timeline`; ``timeline`` in the
+  result).
   """
   counts = counts or worker_counts()
   plan = variants(quick)
@@ -125,6 +129,7 @@ def measure(*, quick: bool, batch: dict[str, int], steps: int,
   factors: dict[str, list[float]] = {m: [] for m in plan}
   mean_steps: dict[str, list[float]] = {m: [] for m in plan}
   allreduce_s: dict[str, list[float]] = {m: [] for m in plan}
+  timelines: dict[str, dict] = {}
   for repeat in range(cluster_repeats):
     for n in (counts if repeat % 2 == 0 else counts[::-1]):
       spec = {"intra_threads": 1, "inter_threads": 2, "batch": batch,
@@ -135,7 +140,9 @@ def measure(*, quick: bool, batch: dict[str, int], steps: int,
               "allreduce_methods": list(allreduce.METHODS),
               "allreduce_iterations": allreduce_iterations,
               "pin_cores": pin_cores,
-              "alone_steps": alone_steps if n == max(counts) > 1 else 0}
+              "alone_steps": alone_steps if n == max(counts) > 1 else 0,
+              "timeline_steps": timeline_steps if (
+                  n == max(counts) > 1 and not timelines) else 0}
       cmd = procs.python_module("tfdist.bench.cluster_worker", "--spec",
                                 json.dumps(spec))
       done = procs.run_all([cmd] * n,
@@ -149,6 +156,10 @@ def measure(*, quick: bool, batch: dict[str, int], steps: int,
       for model, by_variant in result["train"].items():
         for variant, figures in by_variant.items():
           samples[model][variant][n].append(figures["samples_per_s"])
+          if "timeline" in figures:
+            timelines[model] = {
+                "steps": figures["timeline"],
+                "summary": timeline.summary(figures["timeline"])}
       if result.get("allreduce"):
         sweep = result["allreduce"]
       by_worker = [l["alone_steps_s"] for l in lines if "alone_steps_s" in l]
@@ -191,6 +202,7 @@ def measure(*, quick: bool, batch: dict[str, int], steps: int,
               1.0, _waited(f) / f["gradients_allreduce_s"])
           for m, f in straggler.items()},
       "straggler": straggler,
+      "timeline": timelines,
       "mlp_speedup_vs_raw": med["mlp"]["tfdist"]["2"] / med["mlp"]["raw"]["2"],
       "mlp_variants_vs_raw": {v: s["2"] / med["mlp"]["raw"]["2"]
                               for v, s in med["mlp"].items()},

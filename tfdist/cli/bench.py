@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
+from tfdist.bench import models
 from tfdist.cli import _args
 from tfdist.errors import ConfigError
 
@@ -36,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="run in every task of a cluster spanning hosts (tfdist launch "
            "--nnodes, srun): all-reduce and training against the measured "
            "link between them; the chief prints and writes the report")
+  parser.add_argument(
+      "--model", choices=sorted(models.MODELS),
+      help="with --across-hosts: the model trained (tfdist.bench.models; "
+           "wide_mlp by default, 33.6 MB of gradients; deep_mlp, 134 MB in "
+           "eight layers)")
   parser.add_argument(
       "--project", action="store_true",
       help="measure nothing: print the alpha-beta model of all-reduce and "
@@ -80,6 +87,12 @@ def _check_together(args: argparse.Namespace) -> None:
           field=spelt[0], value=" ".join(spelt), source=_SOURCE,
           expected=f"{spelt[0]} without {' or '.join(spelt[1:])}: {why}",
           hint=f"Drop {' and '.join(spelt[1:])}, or {spelt[0]}")
+  if args.model and not args.across_hosts:
+    raise ConfigError(
+        field="--model", value=args.model, source=_SOURCE,
+        expected="--model with --across-hosts: the bench on one machine "
+                 "times every model of its own",
+        hint="Add --across-hosts, or drop --model")
 
 
 def _project(outputs: dict) -> int:
@@ -104,8 +117,10 @@ def _across_hosts(args: argparse.Namespace, outputs: dict) -> int:
     with _args.config_errors(source=_SOURCE,
                              renamed=_args.spellings(_FLAGS)):
       runner.check_outputs(**outputs)
-  found = hosts.run(hosts.HOSTS_QUICK if args.quick else hosts.HOSTS_FULL,
-                    **outputs,
+  preset = hosts.HOSTS_QUICK if args.quick else hosts.HOSTS_FULL
+  if args.model:
+    preset = dataclasses.replace(preset, model=args.model)
+  found = hosts.run(preset, **outputs,
                     log=lambda s: print(s, file=sys.stderr, flush=True))
   print(hosts.format_table(found) if found is not None else
         "tfdist bench: done; the chief prints the report")

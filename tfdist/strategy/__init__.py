@@ -16,6 +16,7 @@ One module per concept:
 | `introspect` | the one reading of a running strategy (task, chief, workers) |
 | `clean_exit` | multi-worker tasks leave together at a clean exit (bounded)  |
 | `transport`  | what carries the gradients: TensorFlow's collectives or the socket ring (`tfdist.ring`), and the ``auto`` rule |
+| `timeline`   | when each step's backward pass and each gradient bucket ran (the bench) |
 """
 
 from tfdist import _lazy

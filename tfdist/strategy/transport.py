@@ -109,6 +109,7 @@ from tfdist.errors import StartupTimeoutError
 from tfdist.ring import connection
 from tfdist.ring import exchange
 from tfdist.strategy import introspect
+from tfdist.strategy import timeline
 from tfdist.strategy.gradient_options import GradientOptions
 from tfdist.strategy.gradient_options import TRANSPORT_VARIABLE
 from tfdist.strategy.gradient_options import TRANSPORTS
@@ -682,8 +683,13 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
   groups = buckets(tensors, bucket_bytes)
   if len(groups) == 1:
     args, reduce = _bucket(ring, tensors, wire, _SUMS)
-    sums = tf.numpy_function(reduce, args, [tf.float32] * len(tensors),
-                             stateful=True, name="tfdist_socket_all_reduce")
+    nbytes = _bytes(tensors)
+    sums = tf.numpy_function(
+        lambda *a: timeline.note_bucket(
+            functools.partial(reduce, *a), bucket=0, of=1, nbytes=nbytes,
+            ready=time.perf_counter()),
+        args, [tf.float32] * len(tensors), stateful=True,
+        name="tfdist_socket_all_reduce")
   else:
     sums = _overlapped(ring, tensors, wire, groups,
                        bound_s=connect_timeout_s + timeout_s * len(groups))
@@ -719,6 +725,11 @@ def buckets(tensors: Sequence[tf.Tensor], bucket_bytes: int
       out.append([i])
       filled = sizes[i] * 4
   return out
+
+
+def _bytes(tensors: Sequence[tf.Tensor]) -> int:
+  """float32 bytes of ``tensors`` (0 for those of unknown size)."""
+  return sum((t.shape.num_elements() or 0) * 4 for t in tensors)
 
 
 def _bucket(ring, tensors: Sequence[tf.Tensor], wire: str, sums: "_Buffers"):
@@ -770,10 +781,12 @@ def _overlapped(ring, tensors, wire: str, groups: list[list[int]], *,
   sums: list[Any] = [None] * len(tensors)
   tickets, previous = [], []
   for k, group in enumerate(groups):
-    args, reduce = _bucket(ring, [tensors[i] for i in group], wire,
-                           _Buffers(sizes=1))
-    def start(*arrays, reduce=reduce):
-      return np.int64(courier.start(functools.partial(reduce, *arrays)))
+    members = [tensors[i] for i in group]
+    args, reduce = _bucket(ring, members, wire, _Buffers(sizes=1))
+    def start(*arrays, reduce=reduce, k=k, nbytes=_bytes(members)):
+      return np.int64(courier.start(functools.partial(
+          timeline.note_bucket, functools.partial(reduce, *arrays), bucket=k,
+          of=len(groups), nbytes=nbytes, ready=time.perf_counter())))
     with tf.control_dependencies(previous):
       ticket = tf.numpy_function(start, args, tf.int64, stateful=True,
                                  name=f"tfdist_bucket_start_{k}")
