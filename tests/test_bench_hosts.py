@@ -233,7 +233,10 @@ class WhyNotTest(parameterized.TestCase):
     self.assertIn("the timeline (median of 5 steps): a 150 ms backward pass "
                   "whose first bucket was ready at 50 ms, 100 ms of buckets on the ring, 0.40 of it during the "
                   "pass, 60 ms after it; the ring moved 20 MB/s in the buckets "
-                  "it began during the pass, 110 MB/s after", why)
+                  "it began during the pass, 110 MB/s after; from the first "
+                  "bucket on, no step takes less than 200 ms (50 ms of "
+                  "compute outside the pass, 50 ms, then the link): 0.80 of "
+                  "tfdist's step", why)
 
   def test_a_miss_without_a_why_is_refused(self):
     report = {"headline": {k: 1.0 for k in hosts_lib.HEADLINE_KEYS},

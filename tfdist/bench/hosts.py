@@ -373,14 +373,23 @@ def _why_overlap(target: Target, *, training: dict, **_) -> dict:
       f"{wire:.0f} ms of its {training['gradient_bytes'] / 1e6:.1f} MB over "
       f"the link: {floor:.0f} ms, {floor / step:.2f} of tfdist's step "
       f"({target.text} wanted); the rest is what did not overlap"
-      + _timeline_line(training))}
+      + _timeline_line(training, step_ms=step, compute_ms=compute,
+                       wire_ms=wire))}
 
 
-def _timeline_line(training: dict) -> str:
-  """What the recorded timeline says of the overlap, or nothing."""
+def _timeline_line(training: dict, *, step_ms: float, compute_ms: float,
+                   wire_ms: float) -> str:
+  """What the recorded timeline says of the overlap, or nothing.
+
+  Nothing crosses before the first bucket is ready, so a step is no shorter
+  than the compute outside the backward pass, plus the first bucket's ready
+  time, plus the gradients over the link.
+  """
   t = training.get("timeline_summary")
   if not t:
     return ""
+  ready_floor = (compute_ms - t["backward_s"] * 1e3
+                 + t["first_ready_s"] * 1e3 + wire_ms)
   return (f"; the timeline (median of {t['steps']} steps): a "
           f"{t['backward_s'] * 1e3:.0f} ms backward pass whose first bucket "
           f"was ready at {t['first_ready_s'] * 1e3:.0f} ms, "
@@ -388,7 +397,11 @@ def _timeline_line(training: dict) -> str:
           f"{t['hidden']:.2f} of it during the pass, "
           f"{t['exposed_s'] * 1e3:.0f} ms after it; the ring moved "
           f"{t['bytes_per_s_during'] / 1e6:.0f} MB/s in the buckets it began "
-          f"during the pass, {t['bytes_per_s_after'] / 1e6:.0f} MB/s after")
+          f"during the pass, {t['bytes_per_s_after'] / 1e6:.0f} MB/s after; "
+          f"from the first bucket on, no step takes less than "
+          f"{ready_floor:.0f} ms ({compute_ms - t['backward_s'] * 1e3:.0f} ms "
+          f"of compute outside the pass, {t['first_ready_s'] * 1e3:.0f} ms, "
+          f"then the link): {ready_floor / step_ms:.2f} of tfdist's step")
 
 
 #: How each target's miss is explained: target key -> explainer.

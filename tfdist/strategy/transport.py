@@ -44,6 +44,7 @@ The ``socket`` transport, step by step:
   buckets, the last variables' first (`buckets`), and each bucket is summed
   as soon as the backward pass has made it, while the pass goes on
   (`_overlapped`); a model of fewer bytes is one bucket, summed after it.
+  While `tfdist.strategy.timeline` records, each bucket's times are noted.
 * **Packing**: one all-reduce per bucket, of every dense floating gradient
   cast to float32 and flattened, in one order (the same on every
   worker). A ``tf.numpy_function`` hands the ring each
