@@ -323,7 +323,8 @@ class CliTest(parameterized.TestCase):
                                       "deep_mlp"], None,
        "--model: received 'deep_mlp'; expected --model with --across-hosts"),
       ("bench_unknown_model", ["bench", "--across-hosts", "--model", "vgg"],
-       None, "--model"),
+       None, "--model: received 'vgg'; expected one of cnn, deep_mlp, mlp, "
+       "wide_mlp"),
       # The absl example scripts (tfdist.flags.run) answer the same way.
       ("example_misspelt_strategy", [_example("keras_fit.py"),
                                      "--strategy=mirorred"], None,

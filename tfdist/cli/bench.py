@@ -7,7 +7,6 @@ import dataclasses
 import os
 import sys
 
-from tfdist.bench import models
 from tfdist.cli import _args
 from tfdist.errors import ConfigError
 
@@ -39,10 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "--nnodes, srun): all-reduce and training against the measured "
            "link between them; the chief prints and writes the report")
   parser.add_argument(
-      "--model", choices=sorted(models.MODELS),
-      help="with --across-hosts: the model trained (tfdist.bench.models; "
-           "wide_mlp by default, 33.6 MB of gradients; deep_mlp, 134 MB in "
-           "eight layers)")
+      "--model", metavar="NAME",
+      help="with --across-hosts: the model trained, a name of "
+           "tfdist.bench.models.MODELS (wide_mlp by default, 33.6 MB of "
+           "gradients; deep_mlp, 134 MB in eight layers)")
   parser.add_argument(
       "--project", action="store_true",
       help="measure nothing: print the alpha-beta model of all-reduce and "
@@ -87,12 +86,18 @@ def _check_together(args: argparse.Namespace) -> None:
           field=spelt[0], value=" ".join(spelt), source=_SOURCE,
           expected=f"{spelt[0]} without {' or '.join(spelt[1:])}: {why}",
           hint=f"Drop {' and '.join(spelt[1:])}, or {spelt[0]}")
-  if args.model and not args.across_hosts:
+  if args.model is None:
+    return
+  from tfdist.bench import models  # pylint: disable=g-import-not-at-top
+  if not args.across_hosts or args.model not in models.MODELS:
     raise ConfigError(
         field="--model", value=args.model, source=_SOURCE,
-        expected="--model with --across-hosts: the bench on one machine "
-                 "times every model of its own",
-        hint="Add --across-hosts, or drop --model")
+        expected=(f"one of {', '.join(sorted(models.MODELS))}"
+                  if args.across_hosts else
+                  "--model with --across-hosts: the bench on one machine "
+                  "times every model of its own"),
+        hint="Add --across-hosts, or drop --model" if not args.across_hosts
+        else "Name a model of tfdist.bench.models")
 
 
 def _project(outputs: dict) -> int:
