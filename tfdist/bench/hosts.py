@@ -18,16 +18,18 @@ In one run, on the same hosts and sockets' routes:
    of the link the all-reduce uses. With a 16-bit wire dtype the effective
    figure (float32 bytes reduced) can pass 1: up to 2;
 3. **training**: steps/s of ``wide_mlp`` (`tfdist.bench.models`, 33.6 MB of
-   gradients a step), hand-written MultiWorkerMirroredStrategy code
-   (``raw``) against tfdist's Runner with the socket transport
-   (``tfdist``), in alternating windows, and each worker training its own
-   copy with nothing exchanged (``alone``). A step at the link's rate takes
-   ``alone``'s step plus the gradients' bus bytes over the link: its steps/s
-   over ``raw``'s is ``training_ceiling_vs_raw``, the most any float32
-   all-reduce can gain on these hosts run back to back. Overlapped (the
-   buckets cross while the backward pass runs) a step takes the longer of
-   the two: ``training_overlap_ceiling_vs_raw``, and tfdist's steps/s over
-   it is ``training_fraction_of_overlap_ceiling``.
+   gradients a step; ``--model`` picks another), hand-written
+   MultiWorkerMirroredStrategy code (``raw``) against tfdist's Runner with the
+   socket transport (``tfdist``), in alternating windows, and each worker
+   training its own copy with nothing exchanged (``alone``). A step at the
+   link's rate takes ``alone``'s step plus the gradients' bus bytes over the
+   link: its steps/s over ``raw``'s is ``training_ceiling_vs_raw``, the most
+   any float32 all-reduce can gain on these hosts run back to back. Overlapped
+   (the buckets cross while the backward pass runs) a step takes the longer of
+   the two: ``training_overlap_ceiling_vs_raw``, and tfdist's steps/s over it
+   is ``training_fraction_of_overlap_ceiling``. Then a few more of tfdist's
+   steps are recorded (`tfdist.strategy.timeline`): when the backward pass ran
+   and when each bucket crossed (``training.timeline``).
 
 Every target the run misses gets a ``why`` from figures of the same run
 (`why_not`): for an all-reduce, the same ring called without TensorFlow,
@@ -60,8 +62,8 @@ from tfdist.bench import report as report_lib
 from tfdist.bench import runner
 from tfdist.bench import scaling
 from tfdist.bench.report import Target
-from tfdist.strategy import timeline
 from tfdist.errors import ConfigError
+from tfdist.strategy import timeline
 
 __all__ = ["HostsConfig", "HOSTS_QUICK", "HOSTS_FULL", "TARGETS", "run",
            "validate", "format_table"]
