@@ -51,7 +51,8 @@ def host_names(count: int) -> tuple[str, ...]:
 
 
 def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float,
-               hosts: int = 2, model: str | None = None
+               hosts: int = 2, model: str | None = None,
+               bucket_mib: int | None = None
                ) -> tuple[dict | None, list[str], list[int]]:
   """The chief's report, every launcher's output and their exit codes.
 
@@ -62,6 +63,7 @@ def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float,
     timeout: bound on the launchers, seconds.
     hosts: how many hosts (one worker each).
     model: ``tfdist bench --model``; the bench's default when ``None``.
+    bucket_mib: ``tfdist bench --bucket-mib``; the default when ``None``.
   """
   names = host_names(hosts)
   json_path = os.path.join(workdir, f"hosts-{rate}.json")
@@ -73,6 +75,8 @@ def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float,
         "--master-port", "29400", "--", sys.executable, "-m", "tfdist",
         "bench", "--across-hosts", *(["--quick"] if quick else []),
         *(["--model", model] if model else []),
+        *(["--bucket-mib", str(bucket_mib)] if bucket_mib is not None
+          else []),
         "--json", json_path], env=env, cwd=cluster_utils.REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank, host in enumerate(names)]
@@ -104,6 +108,8 @@ def main() -> int:
   parser.add_argument("--json", required=True)
   parser.add_argument("--plot")
   parser.add_argument("--model", help="tfdist bench --model")
+  parser.add_argument("--bucket-mib", type=int,
+                      help="tfdist bench --bucket-mib")
   parser.add_argument("--timeout", type=float, default=1200)
   parser.add_argument("--doubling", action="store_true",
                       help="small all-reduces: ring against recursive "
@@ -136,7 +142,8 @@ def main() -> int:
       before = os.getloadavg()
       report, outs, codes = run_on_bed(rate, quick=args.quick,
                                        workdir=workdir, timeout=args.timeout,
-                                       hosts=args.hosts, model=args.model)
+                                       hosts=args.hosts, model=args.model,
+                                       bucket_mib=args.bucket_mib)
       after = os.getloadavg()
       if codes != [0] * args.hosts or report is None:
         print(f"bench_bed: {rate}: exit codes {codes}\n" + "\n".join(outs),

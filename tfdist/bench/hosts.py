@@ -90,6 +90,8 @@ class HostsConfig:
     warmup_steps: untimed steps per variant first.
     timeline_steps: steps of tfdist's variant recorded after the timing
       (`tfdist.strategy.timeline`): the backward pass and each bucket.
+    bucket_bytes: tfdist's `GradientOptions.bucket_bytes`; its default
+      when ``None``.
     timeout_s: bound on connecting and on any one socket operation of the
       link measurement.
   """
@@ -106,6 +108,7 @@ class HostsConfig:
   train_rounds: int = 3
   warmup_steps: int = 2
   timeline_steps: int = 5
+  bucket_bytes: int | None = None
   timeout_s: float = 120.0
 
 
@@ -178,8 +181,11 @@ def run(config: HostsConfig, *, json_path: str | None = None,
                               methods=config.methods,
                               iterations=config.iterations)
   log(f"tfdist bench: training {config.model} ...")
+  buckets = ({} if config.bucket_bytes is None
+             else {"bucket_bytes": config.bucket_bytes})
   spec = {"models": {config.model: [
-              {"name": "raw"}, {"name": "tfdist", **scaling.RECOMMENDED},
+              {"name": "raw"},
+              {"name": "tfdist", **scaling.RECOMMENDED, **buckets},
               {"name": "alone"}]},
           "batch": {config.model: config.batch}, "steps": config.train_steps,
           "rounds": config.train_rounds,

@@ -26,6 +26,8 @@ _FLAGS: _args.FlagTable = {
 
 #: A flag -> the flags it cannot go with, and why.
 _ALONE = {"project": (("quick", "across_hosts"), "it measures nothing")}
+#: Flags that only the bench across hosts reads.
+_ACROSS_HOSTS_ONLY = ("model", "bucket_mib")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="with --across-hosts: the model trained, a name of "
            "tfdist.bench.models.MODELS (wide_mlp by default, 33.6 MB of "
            "gradients; deep_mlp, 134 MB in eight layers)")
+  parser.add_argument(
+      "--bucket-mib", metavar="N", type=int,
+      help="with --across-hosts: tfdist's gradient buckets of N MiB "
+           "(GradientOptions.bucket_bytes; 25 by default; 0 sends every "
+           "gradient after the backward pass)")
   parser.add_argument(
       "--project", action="store_true",
       help="measure nothing: print the alpha-beta model of all-reduce and "
@@ -86,18 +93,25 @@ def _check_together(args: argparse.Namespace) -> None:
           field=spelt[0], value=" ".join(spelt), source=_SOURCE,
           expected=f"{spelt[0]} without {' or '.join(spelt[1:])}: {why}",
           hint=f"Drop {' and '.join(spelt[1:])}, or {spelt[0]}")
-  if args.model is None:
-    return
+  for flag in _ACROSS_HOSTS_ONLY:
+    if getattr(args, flag) is not None and not args.across_hosts:
+      spelt = f"--{flag.replace('_', '-')}"
+      raise ConfigError(
+          field=spelt, value=getattr(args, flag), source=_SOURCE,
+          expected=f"{spelt} with --across-hosts: the bench on one machine "
+                   "times models and buckets of its own",
+          hint=f"Add --across-hosts, or drop {spelt}")
   from tfdist.bench import models  # pylint: disable=g-import-not-at-top
-  if not args.across_hosts or args.model not in models.MODELS:
+  if args.model is not None and args.model not in models.MODELS:
     raise ConfigError(
         field="--model", value=args.model, source=_SOURCE,
-        expected=(f"one of {', '.join(sorted(models.MODELS))}"
-                  if args.across_hosts else
-                  "--model with --across-hosts: the bench on one machine "
-                  "times every model of its own"),
-        hint="Add --across-hosts, or drop --model" if not args.across_hosts
-        else "Name a model of tfdist.bench.models")
+        expected=f"one of {', '.join(sorted(models.MODELS))}",
+        hint="Name a model of tfdist.bench.models")
+  if args.bucket_mib is not None and args.bucket_mib < 0:
+    raise ConfigError(
+        field="--bucket-mib", value=args.bucket_mib, source=_SOURCE,
+        expected="an integer >= 0 (0: every gradient after the backward "
+                 "pass)")
 
 
 def _project(outputs: dict) -> int:
@@ -125,6 +139,8 @@ def _across_hosts(args: argparse.Namespace, outputs: dict) -> int:
   preset = hosts.HOSTS_QUICK if args.quick else hosts.HOSTS_FULL
   if args.model:
     preset = dataclasses.replace(preset, model=args.model)
+  if args.bucket_mib is not None:
+    preset = dataclasses.replace(preset, bucket_bytes=args.bucket_mib << 20)
   found = hosts.run(preset, **outputs,
                     log=lambda s: print(s, file=sys.stderr, flush=True))
   print(hosts.format_table(found) if found is not None else
