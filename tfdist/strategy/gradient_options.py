@@ -125,7 +125,8 @@ class GradientOptions:
     bucket_bytes: ``socket`` transport: gradients cross in buckets of at
       most this many float32 bytes, the last layers' first, each as soon as
       the backward pass has made it, while the pass goes on (DDP's 25 MiB by
-      default; docs/benchmarks.md); 0 sends them all after the pass.
+      default, the fastest of 0, 25, 50 and 100 MiB measured on the bed:
+      docs/benchmarks.md); 0 sends them all after the pass.
   """
   compression: str = "none"
   bytes_per_pack: int = 0
