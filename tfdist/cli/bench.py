@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_together(args: argparse.Namespace) -> None:
-  """Raises a `ConfigError` for flags given together that cannot be."""
+  """Raises a `ConfigError` for flags given together that cannot be, flags
+  of the bench across hosts given without ``--across-hosts``, and their
+  values out of range."""
   for flag, (others, why) in _ALONE.items():
     given = [o for o in others if getattr(args, o)]
     if getattr(args, flag) and given:
