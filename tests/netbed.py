@@ -93,11 +93,12 @@ def netbed_unavailable_reason() -> str | None:
     _reason = ("network namespaces need root: run the suite as root (CI "
                "does) to test several hosts")
     return _reason
-  if _missing_packages() and shutil.which("apt-get") is None:
-    _reason = (f"tools of {_missing_packages()} are missing and apt-get is "
-               "not here")
+  missing = _missing_packages()
+  if missing and shutil.which("apt-get") is None:
+    _reason = f"tools of {missing} are missing and apt-get is not here"
     return _reason
-  apt_install.install(_missing_packages, error=NetBedError)
+  if missing:  # Asked again under the lock: another worker may install.
+    apt_install.install(_missing_packages, error=NetBedError)
   probe = f"tfdist-{os.getpid()}-probe"
   proc = _ip("netns", "add", probe, check=False)
   if proc.returncode != 0:

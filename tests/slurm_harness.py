@@ -93,7 +93,7 @@ def slurm_unavailable_reason() -> str | None:
           "here (needs root and apt-get): apt-get install slurm-wlm munge")
       return _unavailable_reason
     apt_install.install(lambda: _PACKAGES if _missing_commands() else (),
-                error=SlurmError)
+                        error=SlurmError)
     missing = _missing_commands()
     if missing:
       raise SlurmError(f"installed {_PACKAGES} but {missing} still missing")
