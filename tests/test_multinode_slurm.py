@@ -171,7 +171,9 @@ class TwoNodeSlurmTest(absltest.TestCase):
       its end, and the output of the first and the second run.
     """
     backup = os.path.join(directory, "backup")
-    env = {**self.slurm.env, **_ENV, "SLURM_LABELIO": "1",
+    # TMPDIR: a worker killed at the requeue leaves its temporary save
+    # directory (tfdist.training.chief) in the test's own, removed after.
+    env = {**self.slurm.env, **_ENV, "SLURM_LABELIO": "1", "TMPDIR": directory,
            "TFDIST_COMMAND": f"{sys.executable} {FAULT_JOB} auto fit {backup}"}
     submitted = subprocess.run(self.slurm.command(
         ["sbatch", "--parsable", f"--chdir={directory}", *sbatch_args]),
