@@ -135,9 +135,10 @@ class QuickBenchTest(absltest.TestCase):
       # than `bucket_bytes`), every gradient's bytes, summed once ready.
       steps = scaling_raw["timeline"][model]["steps"]
       self.assertLen(steps, runner.QUICK.timeline_steps)
+      gradient_bytes = 4 * models.MODELS[model].build().count_params()
       for step in steps:
         self.assertEqual([b["bytes"] for b in step["buckets"]],
-                         [4 * models.MODELS[model].build().count_params()])
+                         [gradient_bytes])
         bucket = step["buckets"][0]
         self.assertTrue(0 < bucket["ready"] <= bucket["began"]
                         <= bucket["ended"], step)
