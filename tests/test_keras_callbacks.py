@@ -4,7 +4,7 @@ ModelCheckpoint, BackupAndRestore, TensorBoard and CSVLogger are created as a
 Keras user writes them, with the same paths on every worker. Under a tfdist
 strategy only the chief writes those paths, its checkpoints renamed into
 place whole; other workers write temporary directories that are removed
-(`tfdist._compat.keras_callbacks`). MultiWorkerMirroredStrategy runs as 2
+(`tfdist.strategy.keras_callbacks`). MultiWorkerMirroredStrategy runs as 2
 real processes (tests/scripts/keras_fit.py); Mirrored runs in this process.
 """
 

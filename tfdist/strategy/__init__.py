@@ -17,6 +17,8 @@ One module per concept:
 | `clean_exit` | multi-worker tasks leave together at a clean exit (bounded)  |
 | `transport`  | what carries the gradients: TensorFlow's collectives or the socket ring (`tfdist.ring`), and the ``auto`` rule |
 | `timeline`   | when each step's backward pass and each gradient bucket ran (the bench) |
+| `keras_hooks` | what `make_strategy` installs on Keras: the gradient hook, chief-aware callbacks |
+| `keras_callbacks` | Keras's writing callbacks: one writer per path (the chief) |
 """
 
 from tfdist import _lazy

@@ -6,7 +6,7 @@ puts Keras's own back on `restore`).
 
 | hook                      | Keras code wrapped                             | what it adds |
 |---------------------------|------------------------------------------------|--------------|
-| ``chief_aware_callbacks`` | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their callbacks) | every worker wrote ModelCheckpoint, BackupAndRestore, TensorBoard and CSVLogger paths and drew the progress bar: the chief alone does (`tfdist._compat.keras_callbacks`) |
+| ``chief_aware_callbacks`` | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their callbacks) | every worker wrote ModelCheckpoint, BackupAndRestore, TensorBoard and CSVLogger paths and drew the progress bar: the chief alone does (`tfdist.strategy.keras_callbacks`) |
 | ``strategy_transport``    | ``TFOptimizer._all_reduce_sum_gradients``      | gradients take the transport `make_strategy` chose, or the optimizer's `GradientOptions` ask for (`transport.keras_all_reduce`) |
 | ``transport_errors``      | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their errors) | the ring's error (a lost peer, named) came out of ``tf.numpy_function`` as TensorFlow's ``UnknownError``: it is raised as itself |
 """
@@ -17,9 +17,9 @@ import functools
 import inspect
 
 from tfdist._compat import keras as keras_compat
-from tfdist._compat import keras_callbacks
 from tfdist.errors import ConfigError
 from tfdist.strategy import introspect
+from tfdist.strategy import keras_callbacks
 from tfdist.strategy import transport as transport_lib
 
 __all__ = ["HOOKS"]

@@ -4,7 +4,7 @@ Keras 3's ``ModelCheckpoint``, ``BackupAndRestore``, ``TensorBoard`` and
 ``CSVLogger`` do not know the chief from a worker: every worker writes the
 same path. `chief_aware` points each one at the real path on the chief (its
 checkpoints renamed into place whole) and at a temporary directory elsewhere,
-removed afterwards (`tfdist._compat.keras_callbacks`, which plain
+removed afterwards (`tfdist.strategy.keras_callbacks`, which plain
 ``model.fit`` under a tfdist strategy also goes through). `save_model`
 exports the same way, atomically.
 """
@@ -20,9 +20,9 @@ from typing import Iterator, Sequence
 import keras
 import tensorflow as tf
 
-from tfdist._compat import keras_callbacks
 from tfdist.errors import ConfigError
 from tfdist.strategy import introspect
+from tfdist.strategy import keras_callbacks
 from tfdist.training import checkpoints as checkpoints_lib
 from tfdist.training import chief as chief_lib
 

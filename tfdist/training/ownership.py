@@ -30,9 +30,9 @@ from typing import Any, Iterable
 
 import tensorflow as tf
 
-from tfdist._compat import keras_callbacks
 from tfdist.errors import ConfigError
 from tfdist.strategy import introspect
+from tfdist.strategy import keras_callbacks
 
 __all__ = ["OWNER_FILE", "owner_of", "claim", "clusters", "release",
            "remove_partial"]
