@@ -18,9 +18,10 @@ hosts (``--doubling-hosts``) at each rate::
   sudo .venv/bin/python tests/bench_bed.py --doubling --rates 1gbit 10gbit \\
       --json docs/bench_doubling_hosts.json
 
-Each report of the script carries ``bed``: the host count, the rate and the
-machine's load averages (``os.getloadavg``) just before and just after its
-run, since the bed's hosts share this machine's cores with whatever else
+Each report of the script carries ``bed``: the host count, the rate, each
+host's TensorFlow intra-op threads (its share of this machine's cores) and
+the machine's load averages (``os.getloadavg``) just before and just after
+its run, since the bed's hosts share this machine's cores with whatever else
 runs on it.
 """
 
@@ -50,6 +51,11 @@ def host_names(count: int) -> tuple[str, ...]:
   return tuple(f"node{i + 1}" for i in range(count))
 
 
+def intra_op_threads(hosts: int) -> str:
+  """Each of ``hosts`` hosts' share of this machine's cores (at least 1)."""
+  return str(max(1, len(os.sched_getaffinity(0)) // hosts))
+
+
 def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float,
                hosts: int = 2, model: str | None = None,
                bucket_mib: int | None = None
@@ -69,6 +75,10 @@ def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float,
   json_path = os.path.join(workdir, f"hosts-{rate}.json")
   with netbed.NetBed(hosts=names, rate=rate) as bed:
     env = cluster_utils.base_env({_net.JOB_SECRET_VARIABLE: SECRET})
+    # Each host's launcher runs one task, so it would leave TensorFlow every
+    # core; the bed's hosts share this machine's, so each gets its share, as
+    # a host of its own would (docs/benchmarks.md, "Tasks that share cores").
+    env.setdefault("TF_NUM_INTRAOP_THREADS", intra_op_threads(hosts))
     procs = [bed.popen(host, [
         sys.executable, "-m", "tfdist", "launch", "--nnodes", str(hosts),
         "--node-rank", str(rank), "--master-addr", bed.address(names[0]),
@@ -151,7 +161,10 @@ def main() -> int:
         return 1
       report["bed"] = {"hosts": args.hosts, "rate": rate,
                        "quick": args.quick, "load_before": list(before),
-                       "load_after": list(after)}
+                       "load_after": list(after),
+                       "intra_op_threads": os.environ.get(
+                           "TF_NUM_INTRAOP_THREADS",
+                           intra_op_threads(args.hosts))}
       reports[rate] = report
       print(f"bench_bed: {rate}: load average {before[0]:.2f} before, "
             f"{after[0]:.2f} after", flush=True)

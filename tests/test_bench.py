@@ -149,6 +149,21 @@ class QuickBenchTest(absltest.TestCase):
                       entry)
     self.assertIn("| machine ceiling |", self.stdout)
 
+  def test_memory_is_measured_on_a_model_of_many_gradients(self):
+    memory = self.report["raw"]["memory"]
+    self.assertEqual(memory["model"], runner.QUICK.memory_model)
+    self.assertEqual(memory["steps"], runner.QUICK.memory_steps)
+    gradient_bytes = 4 * models.MODELS[memory["model"]].build().count_params()
+    for kind in ("raw", "tfdist"):
+      runs = memory["runs_mb"][kind]
+      self.assertLen(runs, runner.QUICK.startup_repeats)
+      for mb in runs:  # Each worker held the weights and their gradients.
+        self.assertGreater(mb * 2**20, 2 * gradient_bytes, kind)
+    self.assertAlmostEqual(
+        memory["memory_ratio"],
+        memory["tfdist_peak_rss_mb"] / memory["raw_peak_rss_mb"])
+    self.assertEqual(self.report["memory_ratio"], memory["memory_ratio"])
+
   def test_workers_are_pinned_one_core_each(self):
     pinning = self.report["config"]["pinning"]
     self.assertIs(pinning["pinned"], True)
@@ -214,6 +229,34 @@ class ReportTest(parameterized.TestCase):
                   "(ceiling 0.720)", why)
     self.assertIn("took 5.00 ms (ceiling 0.576); tfdist reached 0.87 of that",
                   why)
+
+  @parameterized.named_parameters(
+      # (busy, softirq, every) before and after each span.
+      ("one_span", [((10, 1, 20), (40, 7, 60))], 0.75, 0.15),
+      # Spans add up: 30 + 10 busy ticks of 40 + 40.
+      ("two_spans", [((0, 0, 0), (30, 4, 40)), ((50, 4, 60), (60, 8, 100))],
+       0.5, 0.1),
+      ("no_reading", [(None, (1, 0, 2))], None, None),
+      ("no_tick", [((5, 1, 9), (5, 1, 9))], None, None),
+      ("no_span", [], None, None),
+  )
+  def test_busy_share(self, spans, busy, softirq):
+    shares = allreduce.busy_share(
+        [(a and allreduce.Ticks(*a), b and allreduce.Ticks(*b))
+         for a, b in spans])
+    if busy is None:
+      self.assertEqual(shares, {})
+    else:
+      self.assertAlmostEqual(shares["machine_busy"], busy)
+      self.assertAlmostEqual(shares["softirq_share"], softirq)
+
+  def test_processor_ticks_count_up(self):
+    before = allreduce.processor_ticks()
+    sum(range(2_000_000))  # Some busy time.
+    after = allreduce.processor_ticks()
+    self.assertGreaterEqual(after.every, before.every)
+    self.assertGreaterEqual(after.busy, before.busy)
+    self.assertLessEqual(after.softirq, after.busy)
 
   def test_validate_names_the_bad_key(self):
     with self.assertRaisesRegex(report_lib.ReportError,

@@ -101,6 +101,14 @@ class AcrossHostsTest(parameterized.TestCase):
     self.assertEqual(training["timeline_summary"]["steps"], len(steps))
     busy = sweep["socket"]["4"]["machine_busy"]
     self.assertTrue(0 < busy <= 1, busy)
+    # How busy this machine (every host of the bed) was in each variant's
+    # windows, and how much of that was the kernel's packet work.
+    for variant in ("raw", "tfdist", "alone"):
+      busy = training["machine_busy"][variant]
+      softirq = training["softirq_share"][variant]
+      self.assertTrue(0 <= softirq <= busy <= 1, (variant, busy, softirq))
+    # Both raw and tfdist moved gradients through the kernel; alone did not.
+    self.assertGreater(training["softirq_share"]["tfdist"], 0)
     chief_out = next(o for o in outs if "across 2 workers" in o)
     self.assertIn("training_speedup_vs_raw", chief_out)
     self.assertTrue(any("the chief prints the report" in o for o in outs))
@@ -215,6 +223,21 @@ class WhyNotTest(parameterized.TestCase):
     self.assertIn("the longer of 200 ms of compute (alone) and 100 ms of its "
                   "100.0 MB over the link: 200 ms, 0.80 of tfdist's step "
                   "(>= 0.85 wanted)", why)
+    self.assertNotIn("busy", why)  # No shares measured, none said.
+    training.update(machine_busy={"raw": 0.9, "tfdist": 0.97, "alone": 0.8},
+                    softirq_share={"raw": 0.1, "tfdist": 0.2, "alone": 0.0})
+    why = hosts_lib.why_not(target, sweep={}, fractions={},
+                            training=training)["why"]
+    self.assertIn("the chief's machine was busy 97% in tfdist's windows "
+                  "(softirq 20%), 90% in raw's (softirq 10%), 80% in alone's "
+                  "(softirq 0%)", why)
+    self.assertIn("Its processors were the limit: with 97% of them busy, "
+                  "tfdist's step could be at most 3% faster", why)
+    training["machine_busy"]["tfdist"] = 0.5  # Processors to spare.
+    why = hosts_lib.why_not(target, sweep={}, fractions={},
+                            training=training)["why"]
+    self.assertIn("busy 50% in tfdist's windows", why)
+    self.assertNotIn("processors were the limit", why)
 
   def test_overlap_with_a_timeline(self):
     target = next(t for t in hosts_lib.TARGETS

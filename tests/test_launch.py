@@ -360,6 +360,26 @@ class LaunchTest(parameterized.TestCase):
     digest = hashlib.sha256(b"given").hexdigest()[:16]
     self.assertEqual(re.findall(r"secret=(\w+)", r.stdout), [digest] * 2)
 
+  @parameterized.named_parameters(
+      # Tasks of one node share its cores: each gets its share, at least 1.
+      ("two_tasks", 2, None, lambda cores: str(max(1, cores // 2))),
+      ("three_tasks", 3, None, lambda cores: str(max(1, cores // 3))),
+      # One task: TensorFlow's own default (every core).
+      ("one_task", 1, None, lambda cores: "unset"),
+      # The user's setting wins.
+      ("users_own", 2, "3", lambda cores: "3"),
+  )
+  def test_tasks_share_the_cores_intra_op_threads(self, workers, given,
+                                                   expected):
+    env = cluster_utils.base_env(
+        {} if given is None else {"TF_NUM_INTRAOP_THREADS": given})
+    r = _launch("--workers", str(workers), "--", sys.executable, "-c",
+                "import os; print('intra=' + os.environ.get("
+                "'TF_NUM_INTRAOP_THREADS', 'unset'))", env=env)
+    self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+    self.assertEqual(re.findall(r"intra=(\w+)", r.stdout),
+                     [expected(len(os.sched_getaffinity(0)))] * workers)
+
   def test_address_of_this_machine_is_accepted_with_a_warning(self):
     address = _local_address()
     if address is None:

@@ -37,10 +37,11 @@ import socket
 import statistics
 import threading
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 __all__ = ["METHODS", "method_name", "sweep", "time_shapes",
-           "loopback_bytes_per_s", "summarize"]
+           "loopback_bytes_per_s", "summarize", "Ticks", "processor_ticks",
+           "busy_share"]
 
 _MB = 1 << 20
 _LOOP_MB = 16  # Tensors below this are reduced several times per call.
@@ -158,7 +159,8 @@ def sweep(strategy, *, sizes_mb: Sequence[float], methods: Sequence[str],
     bound by the processor, not the link. ``machine_busy`` (where the
     system has ``/proc/stat``) is the share of this machine's processors
     busy over the timed calls, every process and the kernel's network work
-    included: near 1, no processor was left for a faster all-reduce.
+    included: near 1, no processor was left for a faster all-reduce;
+    ``softirq_share`` the share in the kernel's packet work.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   n = strategy.num_replicas_in_sync
@@ -189,20 +191,16 @@ def _timed(fn, *, iterations: int, repeats: int) -> dict:
   """
   fn()  # Warm-up: traces and sets up the collective.
   times, cpu = [], []
-  ticks_before = _processor_ticks()
+  ticks_before = processor_ticks()
   for _ in range(iterations):
     start, start_cpu = time.perf_counter(), time.process_time()
     fn()
     wall = time.perf_counter() - start
     times.append(wall / repeats)
     cpu.append((time.process_time() - start_cpu) / wall)
-  ticks_after = _processor_ticks()
-  figures = {"seconds": statistics.median(times),
-             "cpu_per_wall": statistics.median(cpu)}
-  if ticks_before and ticks_after and ticks_after[1] > ticks_before[1]:
-    figures["machine_busy"] = ((ticks_after[0] - ticks_before[0]) /
-                               (ticks_after[1] - ticks_before[1]))
-  return figures
+  return {"seconds": statistics.median(times),
+          "cpu_per_wall": statistics.median(cpu),
+          **busy_share([(ticks_before, processor_ticks())])}
 
 
 def time_shapes(strategy, shapes: Sequence[Sequence[int]], *, method: str,
@@ -218,13 +216,21 @@ def time_shapes(strategy, shapes: Sequence[Sequence[int]], *, method: str,
                 iterations=iterations, repeats=repeats)["seconds"]
 
 
-def _processor_ticks() -> tuple[int, int] | None:
-  """(busy, all) clock ticks of every processor since boot; None off Linux.
+class Ticks(NamedTuple):
+  """Clock ticks of every processor since boot (`processor_ticks`)."""
+  busy: int
+  softirq: int
+  every: int
+
+
+def processor_ticks() -> Ticks | None:
+  """Every processor's ticks since boot; ``None`` off Linux.
 
   From the first line of ``/proc/stat`` (proc(5)): user, nice, system,
   idle, iowait, irq, softirq, steal (guest time is already in user); busy
   is all but idle and iowait (steal counts as busy: the processor was not
-  this machine's to use).
+  this machine's to use). softirq is mostly the kernel's packet work, which
+  no process is charged for.
   """
   try:
     with open("/proc/stat") as f:
@@ -232,7 +238,22 @@ def _processor_ticks() -> tuple[int, int] | None:
   except (OSError, ValueError):
     return None
   every = sum(fields)
-  return every - fields[3] - fields[4], every
+  return Ticks(busy=every - fields[3] - fields[4], softirq=fields[6],
+               every=every)
+
+
+def busy_share(spans: Sequence[tuple[Ticks | None, Ticks | None]]) -> dict:
+  """``{"machine_busy", "softirq_share"}`` over ``spans`` of (before, after)
+  readings: the shares of every processor's time busy, and in softirq;
+  ``{}`` where a reading is missing or no tick passed."""
+  if not spans or any(a is None or b is None for a, b in spans):
+    return {}
+  spent = [sum(after[i] - before[i] for before, after in spans)
+           for i in range(3)]
+  if spent[2] <= 0:
+    return {}
+  return {"machine_busy": spent[0] / spent[2],
+          "softirq_share": spent[1] / spent[2]}
 
 
 def loopback_bytes_per_s(total_mb: int = 256, chunk_mb: int = 4,

@@ -127,7 +127,8 @@ def train_variants(strategy, spec: dict, cores: list[int]) -> dict:
   """samples/s of every (model, variant), windows interleaved over rounds.
 
   Building and warming up use every core; the timed windows run on
-  ``cores``.
+  ``cores``. Each variant's ``machine_busy`` and ``softirq_share``
+  (`tfdist.bench.allreduce.busy_share`) are this machine's over its windows.
   """
   loops = {}
   for name, variants in spec["models"].items():
@@ -140,14 +141,17 @@ def train_variants(strategy, spec: dict, cores: list[int]) -> dict:
   # CPU), which inside a window would count as training time.
   gc.collect()
   _set_affinity(cores)
+  from tfdist.bench import allreduce  # pylint: disable=g-import-not-at-top
   times: dict[tuple[str, str], list[float]] = {k: [] for k in loops}
+  ticks: dict[tuple[str, str], list] = {k: [] for k in loops}
   keys = list(loops)
   for r in range(spec["rounds"]):
     order = keys if r % 2 == 0 else keys[::-1]
     for key in order:
-      start = time.perf_counter()
+      before, start = allreduce.processor_ticks(), time.perf_counter()
       loops[key](spec["steps"])
       times[key].append(time.perf_counter() - start)
+      ticks[key].append((before, allreduce.processor_ticks()))
   result: dict[str, dict] = {}
   timelines = {}
   if spec.get("timeline_steps"):
@@ -169,6 +173,7 @@ def train_variants(strategy, spec: dict, cores: list[int]) -> dict:
     result.setdefault(name, {})[variant] = {
         "samples_per_s": global_batch / per_step,
         "windows_s": ts,
+        **allreduce.busy_share(ticks[(name, variant)]),
     }
     if (name, variant) in timelines:
       result[name][variant]["timeline"] = timelines[(name, variant)]

@@ -34,7 +34,9 @@ In one run, on the same hosts and sockets' routes:
 Every target the run misses gets a ``why`` from figures of the same run
 (`why_not`): for an all-reduce, the same ring called without TensorFlow,
 the bytes moved with no arithmetic, and how busy the chief's machine was;
-for training, the step at the link's rate. A target beyond what the machine
+for training, the step at the link's rate and how busy the chief's machine
+was in each variant's windows (``training.machine_busy``, and of that the
+kernel's packet work, ``softirq_share``). A target beyond what the machine
 measured reachable is said to be so.
 
 The report's ``model_check`` sets each size's measured all-reduce times
@@ -245,6 +247,9 @@ def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
               "gradient_bytes": gradient_bytes, "link_step_s": link_step_s,
               "overlap_step_s": overlap_step_s,
               "windows_s": {v: f["windows_s"] for v, f in train.items()}}
+  for key in ("machine_busy", "softirq_share"):
+    if all(key in f for f in train.values()):
+      training[key] = {v: f[key] for v, f in train.items()}
   if train["tfdist"].get("timeline"):
     training["timeline"] = train["tfdist"]["timeline"]
     training["timeline_summary"] = timeline.summary(training["timeline"])
@@ -365,7 +370,7 @@ def _why_training(target: Target, *, training: dict, **_) -> dict:
   if wait > 0:
     why += (f"; tfdist saved {(step['raw'] - step['tfdist']) / wait:.0%} "
             "of that")
-  return {"machine_ceiling": ceiling, "why": why}
+  return {"machine_ceiling": ceiling, "why": why + _busy_line(training)}
 
 
 def _why_overlap(target: Target, *, training: dict, **_) -> dict:
@@ -382,7 +387,32 @@ def _why_overlap(target: Target, *, training: dict, **_) -> dict:
       f"the link: {floor:.0f} ms, {floor / step:.2f} of tfdist's step "
       f"({target.text} wanted); the rest is what did not overlap"
       + _timeline_line(training, step_ms=step, compute_ms=compute,
-                       wire_ms=wire))}
+                       wire_ms=wire) + _busy_line(training))}
+
+
+def _busy_line(training: dict) -> str:
+  """How busy the chief's machine was in each variant's windows, or
+  nothing (every host of the bed is this machine).
+
+  With its processors busy (`BUSY`) in tfdist's windows, the step shortens
+  by at most the idle share unless it does less work: the exchange's own
+  processor time (the ring, the kernel's packet work) does not overlap
+  with compute that already fills every processor.
+  """
+  busy, softirq = training.get("machine_busy"), training.get("softirq_share")
+  if not busy:
+    return ""
+  named = [v for v in ("tfdist", "raw", "alone") if v in busy]
+  shares = ", ".join(
+      f"{busy[v]:.0%} in {v}'s{' windows' if v == named[0] else ''} "
+      f"(softirq {softirq[v]:.0%})" for v in named)
+  line = (f"; the chief's machine was busy {shares}: softirq is the "
+          "kernel's packet work, charged to no process")
+  if busy.get("tfdist", 0) >= BUSY:
+    line += (f". Its processors were the limit: with {busy['tfdist']:.0%} "
+             f"of them busy, tfdist's step could be at most "
+             f"{1 / busy['tfdist'] - 1:.0%} faster without less work")
+  return line
 
 
 def _timeline_line(training: dict, *, step_ms: float, compute_ms: float,

@@ -55,7 +55,10 @@ class BenchConfig:
       processes than cores).
     doubling_kb: their float32 sizes in KiB.
     doubling_windows: their timing windows per size and schedule.
-    startup_repeats: start-up runs of each kind.
+    startup_repeats: start-up runs of each kind, and memory runs.
+    memory_model: the `tfdist.bench.models.MODELS` entry the memory runs
+      train (`tfdist.bench.memory`).
+    memory_steps: steps each memory run trains.
     timeout_s: limit on any one process group the bench starts.
     pin_cores: in the scaling clusters, bind worker i to core i modulo the
       cores (raw and tfdist variants, and the 1-worker baseline alike).
@@ -75,6 +78,8 @@ class BenchConfig:
   doubling_kb: tuple[int, ...] = (4, 64, 256, 1024)
   doubling_windows: int = 5
   startup_repeats: int = 3
+  memory_model: str = "deep_mlp"
+  memory_steps: int = 10
   timeout_s: float = 600.0
   pin_cores: bool = True
 
@@ -85,7 +90,8 @@ QUICK = BenchConfig(quick=True, overhead_steps=20, overhead_rounds=1,
                     allreduce_mb=(1, 4), allreduce_iterations=2,
                     loopback_mb=64, doubling_ranks=(2, 3),
                     doubling_kb=(4, 256), doubling_windows=2,
-                    startup_repeats=1, timeout_s=240.0)
+                    startup_repeats=1, memory_model="wide_mlp",
+                    memory_steps=5, timeout_s=240.0)
 FULL = BenchConfig()
 
 _BATCH = {"mlp": 64, "cnn": 32}  # Per replica.
@@ -134,8 +140,9 @@ def _startup(c: BenchConfig, results: Results) -> dict:
 
 
 def _memory(c: BenchConfig, results: Results) -> dict:
-  del c
-  return memory_lib.summarize(results["startup"])
+  del results
+  return memory_lib.measure(model=c.memory_model, repeats=c.startup_repeats,
+                            steps=c.memory_steps, timeout_s=c.timeout_s)
 
 
 # name -> measurement, run in this order (later ones read earlier results).

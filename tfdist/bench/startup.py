@@ -3,8 +3,8 @@
 Against a bare TensorFlow script started by hand with its TF_CONFIG. Both
 runs start from nothing (``time.time()`` before the first process starts) and
 end when the slower worker finishes its first training step; the medians of
-``repeats`` runs of each, alternating, are compared. The same runs give each
-worker's peak RSS (`tfdist.bench.memory`).
+``repeats`` runs of each, alternating, are compared. `alternate` also serves
+`tfdist.bench.memory`: every run reports its workers' peak RSS.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import time
 
 from tfdist.bench import procs
 
-__all__ = ["measure"]
+__all__ = ["alternate", "measure"]
 
 
-def _raw_run(workers: int, steps: int, timeout_s: float) -> tuple[float, int]:
+def _raw_run(workers: int, steps: int, timeout_s: float,
+             model: str) -> tuple[float, int]:
   start = time.time()
   cmd = procs.python_module("tfdist.bench.startup_worker", "--mode", "raw",
-                            "--steps", str(steps))
+                            "--steps", str(steps), "--model", model)
   done = procs.run_all([cmd] * workers,
                        [procs.worker_env({"TF_CONFIG": c})
                         for c in procs.tf_configs(workers)],
@@ -31,13 +32,13 @@ def _raw_run(workers: int, steps: int, timeout_s: float) -> tuple[float, int]:
           max(l["peak_rss_bytes"] for l in lines))
 
 
-def _tfdist_run(workers: int, steps: int,
-                timeout_s: float) -> tuple[float, int]:
+def _tfdist_run(workers: int, steps: int, timeout_s: float,
+                model: str) -> tuple[float, int]:
   start = time.time()
   cmd = procs.python_module(
       "tfdist", "launch", "--workers", str(workers), "--grace-seconds", "5",
       "--", sys.executable, "-m", "tfdist.bench.startup_worker", "--mode",
-      "tfdist", "--steps", str(steps))
+      "tfdist", "--steps", str(steps), "--model", model)
   done = procs.run_all([cmd], [procs.worker_env()], timeout_s=timeout_s,
                        what="start-up (tfdist launch)")
   lines = [l for l in procs.json_lines(done[0].stdout)
@@ -49,24 +50,43 @@ def _tfdist_run(workers: int, steps: int,
           max(l["peak_rss_bytes"] for l in lines))
 
 
-def measure(*, repeats: int, steps: int, timeout_s: float,
-            workers: int = 2) -> dict:
-  """Runs both, ``repeats`` times each, alternating.
+_RUNS = {"raw": _raw_run, "tfdist": _tfdist_run}
+
+
+def alternate(*, repeats: int, steps: int, timeout_s: float,
+              workers: int = 2, model: str = "mlp"
+              ) -> dict[str, list[tuple[float, int]]]:
+  """``repeats`` runs of each kind, alternating, raw first.
+
+  Args:
+    repeats: runs of each kind.
+    steps: training steps each run's workers take.
+    timeout_s: bound on each run.
+    workers: processes of each run's cluster.
+    model: the `tfdist.bench.models.MODELS` entry trained.
 
   Returns:
-    ``{"tfdist_s", "raw_s", "startup_ratio", "tfdist_rss_bytes",
-    "raw_rss_bytes", "runs"}`` with medians.
+    ``{"raw": [...], "tfdist": [...]}``: each run's (seconds to the slower
+    worker's first step, the larger peak RSS of its workers in bytes).
   """
-  runs = {"tfdist": [], "raw": []}
+  runs: dict[str, list[tuple[float, int]]] = {"tfdist": [], "raw": []}
   for r in range(repeats):
-    order = ("raw", "tfdist") if r % 2 == 0 else ("tfdist", "raw")
-    for mode in order:
-      run = _tfdist_run if mode == "tfdist" else _raw_run
-      runs[mode].append(run(workers, steps, timeout_s))
-  med = {m: (statistics.median(t for t, _ in v),
-             statistics.median(b for _, b in v)) for m, v in runs.items()}
-  return {"workers": workers,
-          "tfdist_s": med["tfdist"][0], "raw_s": med["raw"][0],
-          "startup_ratio": med["tfdist"][0] / med["raw"][0],
-          "tfdist_rss_bytes": med["tfdist"][1], "raw_rss_bytes": med["raw"][1],
-          "runs": {m: [list(x) for x in v] for m, v in runs.items()}}
+    for mode in ("raw", "tfdist") if r % 2 == 0 else ("tfdist", "raw"):
+      runs[mode].append(_RUNS[mode](workers, steps, timeout_s, model))
+  return runs
+
+
+def measure(*, repeats: int, steps: int, timeout_s: float,
+            workers: int = 2) -> dict:
+  """Start-up of the bench's MLP, ``repeats`` runs of each kind.
+
+  Returns:
+    ``{"workers", "tfdist_s", "raw_s", "startup_ratio", "runs"}`` with
+    medians; ``runs`` holds every run's seconds.
+  """
+  runs = alternate(repeats=repeats, steps=steps, timeout_s=timeout_s,
+                   workers=workers)
+  med = {m: statistics.median(t for t, _ in v) for m, v in runs.items()}
+  return {"workers": workers, "tfdist_s": med["tfdist"], "raw_s": med["raw"],
+          "startup_ratio": med["tfdist"] / med["raw"],
+          "runs": {m: [t for t, _ in v] for m, v in runs.items()}}

@@ -1,11 +1,13 @@
 """A worker that trains a few steps and reports start-up time and peak RSS.
 
-  python -m tfdist.bench.startup_worker --mode {raw,tfdist} --steps N
+  python -m tfdist.bench.startup_worker --mode {raw,tfdist} --steps N \
+      [--model NAME]
 
 ``raw`` is a bare TensorFlow script: MultiWorkerMirroredStrategy built by hand
 and a hand-written step. ``tfdist`` builds the strategy with
-`tfdist.make_strategy` and trains with `tfdist.Runner`. Both train the bench's
-MLP on the same data. Prints one JSON line: ``first_step_unix`` (wall clock
+`tfdist.make_strategy` and trains with `tfdist.Runner`. Both train the same
+bench model (`tfdist.bench.models.MODELS`, ``mlp`` unless ``--model``) on the
+same data. Prints one JSON line: ``first_step_unix`` (wall clock
 when the first step returned) and ``peak_rss_bytes`` after ``N`` steps.
 """
 
@@ -24,8 +26,9 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="tfdist.bench.startup_worker")
   parser.add_argument("--mode", choices=("raw", "tfdist"), required=True)
   parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--model", default="mlp")
   args = parser.parse_args(argv)
-  first = (_tfdist if args.mode == "tfdist" else _raw)(args.steps)
+  first = (_tfdist if args.mode == "tfdist" else _raw)(args.steps, args.model)
   print(json.dumps({
       "mode": args.mode, "first_step_unix": first,
       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -43,11 +46,11 @@ def _sgd_model(strategy, spec):
       from_logits=True, reduction=None)
 
 
-def _raw(steps: int) -> float:
+def _raw(steps: int, model_name: str) -> float:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   strategy = tf.distribute.MultiWorkerMirroredStrategy()
   from tfdist.bench import models  # pylint: disable=g-import-not-at-top
-  spec = models.MODELS["mlp"]
+  spec = models.MODELS[model_name]
   model, optimizer, loss_fn = _sgd_model(strategy, spec)
   batch = 32 * strategy.num_replicas_in_sync
   iterator = iter(strategy.distribute_datasets_from_function(
@@ -68,11 +71,11 @@ def _raw(steps: int) -> float:
   return first
 
 
-def _tfdist(steps: int) -> float:
+def _tfdist(steps: int, model_name: str) -> float:
   import tfdist  # pylint: disable=g-import-not-at-top
   strategy = tfdist.make_strategy()
   from tfdist.bench import models  # pylint: disable=g-import-not-at-top
-  spec = models.MODELS["mlp"]
+  spec = models.MODELS[model_name]
   model, optimizer, loss_fn = _sgd_model(strategy, spec)
   runner = tfdist.Runner(
       strategy=strategy,

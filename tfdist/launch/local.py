@@ -33,6 +33,13 @@ all-reduce ring admits only tasks that know it. TensorFlow's gRPC server
 listens on every interface (``0.0.0.0``/``[::]``), whatever address TF_CONFIG
 names: ``host`` only sets the addresses the tasks dial, and isolates nothing.
 
+Tasks of one node share its cores: unless the user set it, each gets
+``TF_NUM_INTRAOP_THREADS`` = the cores this launcher may use over the tasks
+of this node (at least 1), as torchrun sets ``OMP_NUM_THREADS``. Each
+TensorFlow process otherwise sizes its intra-op pool to every core, and N
+pools on the same cores slow each other (docs/benchmarks.md, "Tasks that
+share cores").
+
 Every wait is bounded: a task that ignores SIGTERM is killed after
 ``grace_seconds``.
 
@@ -80,6 +87,8 @@ _START_ERRORS = {errno.EMFILE: "num_workers", errno.ENFILE: "num_workers",
 #: master_addr: not an address of node 0).
 _LISTEN_ERRORS = {errno.EADDRINUSE: "master_port", errno.EACCES: "master_port"}
 _PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
+#: TensorFlow's intra-op pool size, read from the environment at start-up.
+_INTRA_OP = "TF_NUM_INTRAOP_THREADS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +284,8 @@ class Launcher:
     # and the start-up lines that ignore it dropped from the console.
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.update(TFDIST_RESTART=str(attempt), PYTHONUNBUFFERED="1")
+    if len(configs) > 1 and _INTRA_OP not in env:
+      env[_INTRA_OP] = str(max(1, _cores() // len(configs)))
     paths = [os.path.join(self._spec.log_dir,
                           f"{c['task']['type']}-{c['task']['index']}.log")
              if self._spec.log_dir else None for c in configs]
@@ -376,6 +387,14 @@ def launch(spec: LaunchSpec, *, out: TextIO | None = None,
       not be created; no task is left running.
   """
   return Launcher(spec, out=out, resume=resume).run()
+
+
+def _cores() -> int:
+  """The cores this process may run on (all of them where the OS cannot
+  say)."""
+  if hasattr(os, "sched_getaffinity"):
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
 
 
 def _exit_code(code: int) -> int:
