@@ -391,8 +391,8 @@ def _why_overlap(target: Target, *, training: dict, **_) -> dict:
 
 
 def _busy_line(training: dict) -> str:
-  """How busy the chief's machine was in each variant's windows, or
-  nothing (every host of the bed is this machine).
+  """How busy the chief's machine was in each variant's windows (on the
+  bed, the machine of every host); nothing where it was not read.
 
   With its processors busy (`BUSY`) in tfdist's windows, the step shortens
   by at most the idle share unless it does less work: the exchange's own
