@@ -168,6 +168,44 @@ class StoppedTaskTest(parameterized.TestCase):
           f"{seconds:.1f} s")
 
 
+@pytest.mark.timeout(240)
+class SkippedCollectiveTest(parameterized.TestCase):
+  """A worker that skips a collective the other waits in: bounded, named.
+
+  Worker 1 takes one step fewer than worker 0 and then sleeps (600 s);
+  worker 0's step fails after the collective timeout (5 s here) instead of
+  waiting for it.
+  """
+
+  @parameterized.named_parameters(
+      ("collective_first_step", "collective", "first",
+       "DeadlineExceededError", "Collective has timed out"),
+      ("collective_later_step", "collective", "second",
+       "DeadlineExceededError", "Collective has timed out"),
+      # The ring connects at its first all-reduce: the peer never came.
+      ("socket_first_step", "socket", "first", "UnknownError",
+       "StartupTimeoutError: socket transport: worker:0 waited 5 s for "
+       "worker:1"),
+      ("socket_later_step", "socket", "second", "UnknownError",
+       "WorkerLostError: socket transport: worker:0 lost worker:1"),
+  )
+  def test_the_waiting_worker_fails_within_the_timeout(
+      self, transport, which, error, message):
+    with cluster_utils.Tasks.of_script(
+        "skipped_collective.py", cluster_utils.worker_configs(2),
+        args=[transport, which, "5"],
+        env=cluster_utils.base_env({"TFDIST_JOB_SECRET": "skip"})) as tasks:
+      code = tasks.wait(0, 180)
+      out = tasks.stdout(0)
+    # Leaving the block SIGKILLed worker 1, still asleep.
+    self.assertEqual(code, 0, tasks.stderr(0)[-3000:])
+    outcome = json.loads(out.strip().splitlines()[-1])
+    self.assertEqual(outcome["error"], error, outcome)
+    self.assertIn(message, outcome["message"])
+    # It waited for the bound, and not for worker 1 (600 s).
+    self.assertBetween(outcome["seconds"], 4.5, 120)
+
+
 @pytest.mark.timeout(420)
 class RelaunchTest(absltest.TestCase):
 
