@@ -52,8 +52,11 @@ def host_names(count: int) -> tuple[str, ...]:
 
 
 def intra_op_threads(hosts: int) -> str:
-  """Each of ``hosts`` hosts' share of this machine's cores (at least 1)."""
-  return str(max(1, len(os.sched_getaffinity(0)) // hosts))
+  """Each host's TensorFlow intra-op threads: ``TF_NUM_INTRAOP_THREADS``
+  where set, else each of ``hosts`` hosts' share of this machine's cores
+  (at least 1)."""
+  return (os.environ.get("TF_NUM_INTRAOP_THREADS")
+          or str(max(1, len(os.sched_getaffinity(0)) // hosts)))
 
 
 def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float,
@@ -78,7 +81,7 @@ def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float,
     # Each host's launcher runs one task, so it would leave TensorFlow every
     # core; the bed's hosts share this machine's, so each gets its share, as
     # a host of its own would (docs/benchmarks.md, "Tasks that share cores").
-    env.setdefault("TF_NUM_INTRAOP_THREADS", intra_op_threads(hosts))
+    env["TF_NUM_INTRAOP_THREADS"] = intra_op_threads(hosts)
     procs = [bed.popen(host, [
         sys.executable, "-m", "tfdist", "launch", "--nnodes", str(hosts),
         "--node-rank", str(rank), "--master-addr", bed.address(names[0]),
@@ -162,9 +165,7 @@ def main() -> int:
       report["bed"] = {"hosts": args.hosts, "rate": rate,
                        "quick": args.quick, "load_before": list(before),
                        "load_after": list(after),
-                       "intra_op_threads": os.environ.get(
-                           "TF_NUM_INTRAOP_THREADS",
-                           intra_op_threads(args.hosts))}
+                       "intra_op_threads": intra_op_threads(args.hosts)}
       reports[rate] = report
       print(f"bench_bed: {rate}: load average {before[0]:.2f} before, "
             f"{after[0]:.2f} after", flush=True)
