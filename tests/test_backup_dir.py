@@ -8,6 +8,7 @@ workers agree on the restored position, and counts that would never end an
 epoch fail at once.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -30,11 +31,32 @@ X, Y = np.ones((16, 2), "float32"), np.ones((16, 1), "float32")
 STEPS = 4  # Steps per epoch with batches of 4.
 
 
-def _model(width: int = 1) -> keras.Model:
-  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(
-      width, kernel_initializer="ones")])
-  model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+def _model(width: int = 1, *, activation: str | None = None,
+           rate: float | None = None, optimizer: str = "SGD",
+           layer: type[keras.layers.Layer] | None = None) -> keras.Model:
+  """A Dense model; ``rate`` adds Dropout, ``layer`` one more layer."""
+  layers = [keras.Input((2,)), keras.layers.Dense(
+      width, activation=activation, kernel_initializer="ones")]
+  if rate is not None:
+    layers.append(keras.layers.Dropout(rate))
+  if layer is not None:
+    layers.append(layer())
+  model = keras.Sequential(layers)
+  model.compile(optimizer=getattr(keras.optimizers, optimizer)(0.01),
+                loss="mse")
   return model
+
+
+class Scale(keras.layers.Layer):
+  """A custom layer that cannot give its configuration: Keras cannot
+  serialize its argument, and it has no get_config of its own."""
+
+  def __init__(self, fn=lambda x: 2 * x, **kwargs):
+    super().__init__(**kwargs)
+    self.fn = fn
+
+  def call(self, x):
+    return self.fn(x)
 
 
 class SignalAt(keras.callbacks.Callback):
@@ -67,11 +89,12 @@ def _fit(model, **kwargs):
   return tfdist.fit(model, X, Y, **kwargs)
 
 
-def _preempt(backup_dir, at=3, **kwargs):
-  """A run SIGTERMed after ``at`` steps; it backs up every step."""
+def _preempt(backup_dir, at=3, **model):
+  """A run of ``_model(**model)`` SIGTERMed after ``at`` steps; it backs up
+  every step."""
   with pytest.raises(tfdist.PreemptedError):
-    _fit(_model(kwargs.pop("width", 1)), backup_dir=backup_dir,
-         backup_every_steps=1, callbacks=[SignalAt(at)], **kwargs)
+    _fit(_model(**model), backup_dir=backup_dir, backup_every_steps=1,
+         callbacks=[SignalAt(at)])
 
 
 def _tree(root):
@@ -135,6 +158,72 @@ class BackupDirTest(parameterized.TestCase):
     self.assertIn("another job", str(caught.exception))
     self.assertIn("delete", str(caught.exception))
     self.assertEqual(_tree(self.dir), before)
+
+  @parameterized.named_parameters(
+      # Same variables, another model: each was resumed as this job's before.
+      ("activation", {"activation": "relu"}, {"activation": "tanh"},
+       "layer `dense",
+       "activation `tanh` here, `relu` in the backup"),
+      ("dropout_rate", {"rate": 0.1}, {"rate": 0.5}, "layer `dropout",
+       "rate `0.5` here, `0.1` in the backup"),
+      ("optimizer", {}, {"optimizer": "Adam"}, "optimizer",
+       "Adam here, SGD in the backup"),
+      ("a_layer_more", {}, {"rate": 0.1}, "layers",
+       "3 layers here, 2 in the backup"),
+      ("another_class", {"layer": keras.layers.ReLU},
+       {"layer": keras.layers.Softmax}, "(3 of 3)",
+       "a Softmax here, a ReLU in the backup"),
+  )
+  def test_another_architecture_is_refused_naming_the_difference(
+      self, saved, here, where, difference):
+    """Two jobs, one backup_dir: job B resumed job A's step and removed it."""
+    _preempt("bk", **saved)
+    before = _tree(self.dir)
+    model = _model(**here)
+    with self.assertRaises(tfdist.ConfigError) as caught:
+      _fit(model, backup_dir="bk")
+    self.assertEqual(caught.exception.field, "backup_dir")
+    self.assertIn(where, str(caught.exception))
+    self.assertIn(difference, str(caught.exception))
+    self.assertIn("another job", str(caught.exception))
+    self.assertEqual(int(model.optimizer.iterations.numpy()), 0)
+    self.assertEqual(_tree(self.dir), before)
+    # Job A's own relaunch still resumes at its step, and trains the rest.
+    model = _model(**saved)
+    _fit(model, backup_dir="bk")
+    self.assertEqual(int(model.optimizer.iterations.numpy()), 2 * STEPS)
+
+  def test_a_layer_without_configuration_is_known_by_its_class(self):
+    with self.assertLogs(level="WARNING") as logs:
+      _preempt("bk", layer=Scale)
+    said = [r.getMessage() for r in logs.records if "`scale" in
+            r.getMessage()]
+    self.assertLen(said, 1, logs.output)
+    self.assertIn("no configuration", said[0])
+    model = _model(layer=Scale)
+    _fit(model, backup_dir="bk")
+    self.assertEqual(int(model.optimizer.iterations.numpy()), 2 * STEPS)
+    _preempt("other", layer=Scale)
+    with self.assertRaises(tfdist.ConfigError) as caught:
+      _fit(_model(layer=keras.layers.ReLU), backup_dir="other")
+    self.assertIn("a ReLU here, a Scale in the backup",
+                  str(caught.exception))
+
+  def test_an_older_record_of_variables_only_still_resumes(self):
+    _preempt("bk")
+    path = os.path.join("bk", ownership.OWNER_FILE)
+    with open(path) as f:
+      record = json.load(f)
+    for key in ("layers", "optimizers"):  # As tfdist 0.x wrote it.
+      del record[key]
+    with open(path, "w") as f:
+      json.dump(record, f)
+    with self.assertRaises(tfdist.ConfigError) as caught:
+      _fit(_model(width=3), backup_dir="bk")
+    self.assertIn("variables", str(caught.exception))
+    model = _model(activation="tanh")  # Not recorded: not compared.
+    _fit(model, backup_dir="bk")
+    self.assertEqual(int(model.optimizer.iterations.numpy()), 2 * STEPS)
 
   def test_directory_of_other_files_is_refused_untouched(self):
     os.mkdir("results")

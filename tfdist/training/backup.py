@@ -17,7 +17,7 @@ of workers):
   steps of a partial epoch: with ``save_freq=1``, a SIGKILL mid-epoch led to
   14 optimizer iterations where 12 were due);
 * the backup directory belongs to one job: the chief records the model's
-  structure and the cluster shapes in it (`tfdist.training.ownership`) and
+  architecture, its variables and the cluster shapes in it (`tfdist.training.ownership`) and
   another job's, or a directory of other files, is refused before anything
   is read or written; every worker agrees on the restored position before
   training;
@@ -170,7 +170,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     model = self.model
     strategy = model.distribute_strategy
     ownership.claim(self._directory,
-                    ownership.owner_of(model.weights, strategy),
+                    ownership.owner_of([model, model.optimizer], strategy),
                     strategy=strategy, field="backup_dir", source=_SOURCE)
     if not checkpoints_lib.candidates(self._directory):
       return None

@@ -2,13 +2,18 @@
 
 The chief records the job that first writes a backup or checkpoint directory
 in ``tfdist-owner.json`` (written to a temporary name, then linked into place,
-so it never replaces anything): a fingerprint of the model's variables (their
-names, shapes and dtypes, in order) and the cluster shapes that have used
-it (job names and task counts; an evaluator is no part of training). A run
-that finds another model's record there, or files and no record, is refused
-with a `tfdist.ConfigError` before anything is read or written: two jobs
-given one directory would otherwise resume from each other's state or remove
-it. `release` removes only what tfdist wrote: checkpoint files, the state
+so it never replaces anything): the model's architecture (each layer's class
+and configuration, its name aside, and the optimizers' classes), a
+fingerprint of its variables (their names, shapes and dtypes, in order) and
+the cluster shapes that have used it (job names and task counts; an
+evaluator is no part of training). A run that finds another model's record
+there, or files and no record, is refused with a `tfdist.ConfigError` that
+names the first difference (``layer `dense`: activation `relu` here, `tanh`
+in the backup``) before anything is read or written: two jobs given one
+directory would otherwise resume from each other's state or remove it. Two
+models of the same variables differ by architecture alone (an activation, a
+dropout rate), so the variables are not enough. A layer that gives no
+configuration is known by its class, and the chief says so once. `release` removes only what tfdist wrote: checkpoint files, the state
 file and the record, and the directory itself when tfdist created it;
 `claim` removes the partial saves a killed run left (`remove_partial`).
 
@@ -20,6 +25,7 @@ needs a new directory.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -28,6 +34,8 @@ import shutil
 import tempfile
 from typing import Any, Iterable
 
+from absl import logging
+import keras
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
@@ -54,20 +62,57 @@ _SHARD = re.compile(r"part-\d+-of-\d+\.(index|data-\d+-of-\d+)(\.tempstate\d+)?"
 Owner = dict[str, Any]
 
 
-def owner_of(variables: Iterable[Any], strategy: tf.distribute.Strategy
+def owner_of(items: Iterable[Any], strategy: tf.distribute.Strategy
              ) -> Owner:
-  """The owner record of a job training ``variables`` under ``strategy``.
+  """The owner record of a job training ``items`` under ``strategy``.
 
-  ``cluster`` is this run's shape; the record keeps every shape seen in
-  ``clusters``.
+  Args:
+    items: what the job saves: Keras models (their layers and variables),
+      optimizers (their classes); anything else is not described.
+    strategy: the strategy it trains under; ``cluster`` is this run's shape
+      (the record keeps every shape seen in ``clusters``).
   """
+  items = list(items)
   described = [[str(v.name), [None if d is None else int(d) for d in v.shape],
-                str(getattr(v.dtype, "name", v.dtype))] for v in variables]
+                str(getattr(v.dtype, "name", v.dtype))]
+               for item in items for v in getattr(item, "weights", ())]
   digest = hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
+  layers = [_layer(layer) for item in items
+            if isinstance(item, keras.layers.Layer)
+            for layer in item._flatten_layers(  # pylint: disable=protected-access
+                include_self=False, recursive=True)
+            if not isinstance(layer, keras.Model)]  # Its layers are listed.
+  unconfigured = tuple(name for name, _, config in layers if config is None)
+  if unconfigured and introspect.is_chief(strategy):
+    _say_unconfigured(unconfigured)
   _, _, cluster = introspect.task_of(strategy)
-  return {"model": digest, "variables": len(described),
+  return {"model": digest, "variables": len(described), "layers": layers,
+          "optimizers": [type(item).__name__ for item in items
+                         if isinstance(item, keras.optimizers.Optimizer)],
           "cluster": {job: len(tasks) for job, tasks in sorted(cluster.items())
                       if job != "evaluator"}}
+
+
+def _layer(layer: keras.layers.Layer) -> list[Any]:
+  """``[name, class, configuration]``; the configuration as JSON gives it."""
+  try:
+    config = layer.get_config()
+  except Exception:  # pylint: disable=broad-except
+    config = None  # Not every custom layer can give one.
+  if isinstance(config, dict):
+    config = json.loads(json.dumps(
+        {k: v for k, v in config.items() if k != "name"}, sort_keys=True,
+        default=lambda o: f"<{type(o).__qualname__}>"))
+  return [layer.name, type(layer).__name__, config]
+
+
+@functools.cache
+def _say_unconfigured(names: tuple[str, ...]) -> None:
+  logging.warning(
+      "tfdist: layer%s %s give%s no configuration (get_config failed); the "
+      "backup directory's owner record knows %s by class and variables",
+      "s" * (len(names) > 1), ", ".join(f"`{n}`" for n in names),
+      "" if len(names) > 1 else "s", "them" if len(names) > 1 else "it")
 
 
 def claim(directory: str, owner: Owner, *, strategy: tf.distribute.Strategy,
@@ -191,15 +236,56 @@ def _read(directory: str, *, field: str, source: str) -> Owner | None:
 
 def _check_same(directory: str, record: Owner, owner: Owner, *, field: str,
                 source: str) -> None:
-  if record.get("model") == owner["model"]:
+  difference = _first_difference(record, owner)
+  if difference is None:
     return
   raise ConfigError(
       field=field, value=directory, source=source,
-      expected=f"a directory of this job (model {owner['model']} with "
-               f"{owner['variables']} variables); it holds another job's "
-               f"state (model {record.get('model')} with "
-               f"{record.get('variables')} variables)",
+      expected=f"a directory of this job; it holds another job's state "
+               f"({difference})",
       hint=keras_callbacks.FRESH.format(field=field, directory=directory))
+
+
+def _first_difference(record: Owner, owner: Owner) -> str | None:
+  """The first way ``owner``'s model differs from ``record``'s, or None.
+
+  A record without ``layers`` (an older tfdist's) is compared by variables.
+  """
+  if "layers" in record:
+    theirs, ours = record["layers"], owner["layers"]
+    for i, (there, here) in enumerate(zip(theirs, ours)):
+      where = f"layer `{here[0]}` ({i + 1} of {len(ours)})"
+      if there[1] != here[1]:
+        return f"{where}: a {here[1]} here, a {there[1]} in the backup"
+      if there[2] != here[2]:
+        keys = sorted({*(there[2] or {}), *(here[2] or {})})
+        key = next((k for k in keys if (there[2] or {}).get(k, _NONE)
+                    != (here[2] or {}).get(k, _NONE)), "configuration")
+        return (f"{where}: {key} {_shown(here[2], key)} here, "
+                f"{_shown(there[2], key)} in the backup")
+    if len(theirs) != len(ours):
+      return f"{len(ours)} layers here, {len(theirs)} in the backup"
+    if record.get("optimizers") != owner["optimizers"]:
+      return (f"optimizer {'/'.join(owner['optimizers']) or 'none'} here, "
+              f"{'/'.join(record.get('optimizers') or []) or 'none'} in the "
+              f"backup")
+  if record.get("model") != owner["model"]:
+    return (f"variables {owner['model']} ({owner['variables']}) here, "
+            f"{record.get('model')} ({record.get('variables')}) in the "
+            f"backup: their names, shapes or dtypes differ")
+  return None
+
+
+_NONE = object()  # A key a configuration does not have.
+
+
+def _shown(config: dict[str, Any] | None, key: str) -> str:
+  if config is None:
+    return "(no configuration)"
+  value = config.get(key, _NONE)
+  if value is _NONE:
+    return "(not set)"
+  return f"`{value if isinstance(value, str) else json.dumps(value)}`"
 
 
 def _write(directory: str, record: Owner | None, *, replace: bool, field: str,

@@ -54,9 +54,10 @@ class RunnerOptions:
       closure under ParameterServerStrategy).
     checkpoint_dir: where the chief keeps checkpoints; ``None`` keeps none.
       A relative path is read against the working directory when the
-      `Runner` is made. It belongs to one job: the chief records the models
-      among ``checkpoint_items`` and the cluster there, and a directory of
-      another job's or of other files is refused.
+      `Runner` is made. It belongs to one job: the chief records the
+      architecture and variables of the models among ``checkpoint_items``
+      and the cluster there, and a directory of another job's or of other
+      files is refused.
     checkpoint_every: save every this many steps (rounded up to whole
       loops); 0 saves only when `train` returns.
     max_to_keep: checkpoints kept.
@@ -267,10 +268,9 @@ class Runner:
       self._step = self._saved_step = restored[0]
 
   def _restore_here(self) -> tuple[int] | None:
-    weights = [v for _, item in sorted(self._items.items())
-               for v in getattr(item, "weights", ())]  # Keras models'.
+    items = [item for _, item in sorted(self._items.items())]
     ownership.claim(self._directory,
-                    ownership.owner_of(weights, self._strategy),
+                    ownership.owner_of(items, self._strategy),
                     strategy=self._strategy, field="checkpoint_dir",
                     source=_SOURCE)
     latest = checkpoints_lib.restore_latest(self._checkpoint, self._directory,
