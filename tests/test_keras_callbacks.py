@@ -22,6 +22,7 @@ import pytest
 
 import tfdist
 from tfdist._compat import keras as keras_compat
+from tfdist.strategy import keras_callbacks
 import cluster_utils
 
 DEVICES = ["/cpu:0", "/cpu:1"]
@@ -90,14 +91,14 @@ class ChiefInProcessTest(parameterized.TestCase):
     with open(os.path.join(self.root, "backup",
                            "training_metadata.json.bkp")) as f:
       self.assertEqual(json.load(f)["epoch"], 1)
-    # The callbacks have their own paths back, and nothing is left marked.
+    # The callbacks have their own paths back, and nothing is left on them.
     self.assertEqual(callbacks[0].filepath,
                      os.path.join(self.root, "ckpt", "e{epoch}.weights.h5"))
     self.assertEqual(callbacks[1].backup_dir,
                      os.path.join(self.root, "backup"))
     for cb in callbacks:
       self.assertNotIn("on_epoch_end", vars(cb))
-      self.assertFalse(hasattr(cb, "_tfdist_one_writer"))
+      self.assertEqual([name for name in dir(cb) if "tfdist" in name], [])
 
   def test_a_formatted_directory_is_written_as_keras_formats_it(self):
     checkpoint = keras.callbacks.ModelCheckpoint(
@@ -158,6 +159,21 @@ class ChiefInProcessTest(parameterized.TestCase):
     # ModelCheckpoint ran before Boom: its file is in place, staging removed.
     self.assertEqual(_tree(self.root), ["m.keras"])
     self.assertEqual(checkpoint.filepath, os.path.join(self.root, "m.keras"))
+
+  def test_a_held_callback_is_left_to_the_outer_one_writer_until_it_ends(self):
+    real = os.path.join(self.root, "log.csv")
+    logger = keras.callbacks.CSVLogger(real)
+    point = lambda: keras_callbacks.one_writer(
+        [logger], chief=False, refusal=tfdist.ConfigError)
+    with point():
+      outer = logger.filename
+      with point():  # fit's own evaluate, inside fit: left to fit's.
+        self.assertEqual(logger.filename, outer)
+      self.assertEqual(logger.filename, outer)
+    self.assertEqual(logger.filename, real)
+    with point():  # Given back: held and pointed again.
+      self.assertNotIn(logger.filename, (real, outer))
+    self.assertEqual(logger.filename, real)
 
 
 @pytest.mark.timeout(400)

@@ -60,6 +60,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from absl import logging
 
+from tfdist._compat.side_table import SideTable
+
 __all__ = [
     "CAUSE_ATTR",
     "FIXES",
@@ -631,7 +633,12 @@ def _agreed_apply(original):
 # in `apply` with a bare AssertionError. Upstream's error is raised as a
 # refusal that says what to move (`__cause__`: upstream's); where upstream
 # goes on, `apply` refuses as it returns (in `fit`, while tracing: no step
-# runs).
+# runs). Where it was created is kept off the optimizer, which Keras lists,
+# compares and serializes.
+_created_at: SideTable[tuple[str, int]] = SideTable(
+    "where an optimizer was created")
+
+
 def _record_creation(original):
   def wrapper(self, *args, **kwargs):
     original(self, *args, **kwargs)
@@ -641,7 +648,7 @@ def _record_creation(original):
         "keras", "tfdist"):
       frame = frame.f_back
     if frame and not tf.distribute.has_strategy():
-      self._tfdist_created_at = (frame.f_code.co_filename, frame.f_lineno)  # pylint: disable=protected-access
+      _created_at.set(self, (frame.f_code.co_filename, frame.f_lineno))
   return functools.wraps(original)(wrapper)
 
 
@@ -663,7 +670,10 @@ def _scope_errors(original):
   return functools.wraps(original)(wrapper)
 
 
-#: The attribute of a refusal that holds upstream's error.
+#: The attribute of a refusal that holds upstream's error. The refusal is
+#: tfdist's own error, so it carries it: in a `SideTable` the cause, whose
+#: traceback holds the refusal, would keep both alive, and the default
+#: refusal (``ValueError``) has no weak references.
 CAUSE_ATTR = "_tfdist_cause"
 
 
@@ -688,7 +698,7 @@ def _scope_refusal(optimizer: Any) -> Exception | None:
         source="Model.fit", expected="variables created inside `with "
         f"strategy.scope():`, where its optimizer ({name}) was created",
         hint="Build and compile the model inside `with strategy.scope():`")
-  path, line = getattr(optimizer, "_tfdist_created_at", (None, 0))
+  path, line = _created_at.get(optimizer, (None, 0))
   code = linecache.getline(path, line).strip() if path else ""
   return _host[0].refusal(
       field="optimizer", value=name,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from tfdist._compat.side_table import SideTable
 from tfdist.errors import ConfigError
 
 __all__ = ["TRANSPORTS", "TRANSPORT_VARIABLE", "COMPRESSIONS", "Compression",
@@ -38,7 +39,6 @@ TRANSPORTS: tuple[str, ...] = ("auto", "collective", "socket")
 TRANSPORT_VARIABLE = "TFDIST_TRANSPORT"
 
 _SOURCE = "GradientOptions"
-_ATTR = "_tfdist_gradient_options"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -171,9 +171,13 @@ class GradientOptions:
 
   def attach(self, optimizer: Any) -> None:
     """Gives ``optimizer`` these options (`gradient_options_of` reads them)."""
-    object.__setattr__(optimizer, _ATTR, self)
+    _given.set(optimizer, self)
+
+
+# Kept off the optimizer, which Keras lists, compares and serializes.
+_given: SideTable[GradientOptions] = SideTable("an optimizer's GradientOptions")
 
 
 def gradient_options_of(optimizer: Any) -> GradientOptions | None:
   """The options `tfdist.perf.with_gradient_options` gave ``optimizer``."""
-  return getattr(optimizer, _ATTR, None)
+  return _given.get(optimizer)

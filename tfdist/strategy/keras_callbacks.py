@@ -38,6 +38,8 @@ import shutil
 import tempfile
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from tfdist._compat.side_table import SideTable
+
 __all__ = ["FRESH", "VERIFIED", "one_writer", "refuse_unowned"]
 
 _MODULE = "keras.src.callbacks.backup_and_restore:BackupAndRestore"
@@ -57,7 +59,8 @@ FRESH = ("To start fresh, pass a new {field}, or delete {directory} yourself; "
 _STAGING = ".tfdist-staging-"
 _FIELD = re.compile(r"\{[^{}]*\}")  # A str.format field, as in "{epoch:02d}".
 _SCRATCH = "tfdist-keras-"
-_INSIDE = "_tfdist_one_writer"  # Set on callbacks while a one_writer holds them.
+# The callbacks a one_writer holds, kept off them (Keras lists them).
+_held_now: SideTable[bool] = SideTable("that a one_writer holds a callback")
 _Scratch = Callable[[], str]
 
 
@@ -95,7 +98,7 @@ def one_writer(callbacks: Sequence[Any], *, chief: bool,
       return path
 
     for index, callback in enumerate(callbacks):
-      if getattr(callback, _INSIDE, False):
+      if _held_now.get(callback, False):
         continue
       for cls, point in pointers:
         if isinstance(callback, cls):
@@ -109,11 +112,11 @@ def one_writer(callbacks: Sequence[Any], *, chief: bool,
 
 @contextlib.contextmanager
 def _held(callback: Any) -> Iterator[None]:
-  setattr(callback, _INSIDE, True)
+  _held_now.set(callback, True)
   try:
     yield
   finally:
-    delattr(callback, _INSIDE)
+    _held_now.pop(callback)
 
 
 def _name(path: Any) -> str:
