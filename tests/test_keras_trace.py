@@ -1,13 +1,12 @@
 """Keras objects made under a tfdist strategy look as under TensorFlow's own.
 
 Each object is made, and where it can be used as a user would (compiled and
-fitted), once in the scope of ``tfdist.make_strategy("mirrored")`` and once in the scope of
-``tf.distribute.MirroredStrategy`` of the same 2 logical CPUs with Keras's
+fitted), once in the scope of ``tfdist.make_strategy("mirrored")`` and once
+in the scope of ``tf.distribute.MirroredStrategy`` of the same 2 logical CPUs with Keras's
 own code (`tfdist._compat.keras.restore`). What Keras and its users read of
 it must be the same: ``dir()``, ``vars()``, ``get_config()``, Keras's
 serialization and its round trip, a model's JSON and its ``.keras`` file.
-tfdist keeps what it knows about them in side tables
-(`tfdist._compat.side_table`).
+tfdist keeps what it knows about them in weak maps beside them.
 """
 
 import functools

@@ -4,9 +4,6 @@
 installed Keras still has the code each correction was verified on. tfdist's
 own features on Keras live beside what installs them
 (`tfdist.strategy.keras_hooks`, `tfdist.strategy.keras_callbacks`).
-`side_table` keeps what tfdist knows about objects not its own (where an
-optimizer was created, its gradient options) off them, so Keras sees them as
-upstream makes them.
 Nothing in this package imports other tfdist modules, so every floor may use
 it; what it needs from above (the error class, the chief rule) is handed to
 `keras.apply` as a `keras.Host`.

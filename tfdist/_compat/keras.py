@@ -56,11 +56,10 @@ import linecache
 import sys
 import textwrap
 import threading
+import weakref
 from typing import Any, Callable, Iterable, Mapping
 
 from absl import logging
-
-from tfdist._compat.side_table import SideTable
 
 __all__ = [
     "CAUSE_ATTR",
@@ -635,8 +634,8 @@ def _agreed_apply(original):
 # goes on, `apply` refuses as it returns (in `fit`, while tracing: no step
 # runs). Where it was created is kept off the optimizer, which Keras lists,
 # compares and serializes.
-_created_at: SideTable[tuple[str, int]] = SideTable(
-    "where an optimizer was created")
+_created_at: "weakref.WeakKeyDictionary[Any, tuple[str, int]]" = (
+    weakref.WeakKeyDictionary())
 
 
 def _record_creation(original):
@@ -648,7 +647,7 @@ def _record_creation(original):
         "keras", "tfdist"):
       frame = frame.f_back
     if frame and not tf.distribute.has_strategy():
-      _created_at.set(self, (frame.f_code.co_filename, frame.f_lineno))
+      _created_at[self] = (frame.f_code.co_filename, frame.f_lineno)
   return functools.wraps(original)(wrapper)
 
 
@@ -671,7 +670,7 @@ def _scope_errors(original):
 
 
 #: The attribute of a refusal that holds upstream's error. The refusal is
-#: tfdist's own error, so it carries it: in a `SideTable` the cause, whose
+#: tfdist's own error, so it carries it: in a weak map the cause, whose
 #: traceback holds the refusal, would keep both alive, and the default
 #: refusal (``ValueError``) has no weak references.
 CAUSE_ATTR = "_tfdist_cause"

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+import weakref
 
-from tfdist._compat.side_table import SideTable
 from tfdist.errors import ConfigError
 
 __all__ = ["TRANSPORTS", "TRANSPORT_VARIABLE", "COMPRESSIONS", "Compression",
@@ -171,11 +171,12 @@ class GradientOptions:
 
   def attach(self, optimizer: Any) -> None:
     """Gives ``optimizer`` these options (`gradient_options_of` reads them)."""
-    _given.set(optimizer, self)
+    _given[optimizer] = self
 
 
 # Kept off the optimizer, which Keras lists, compares and serializes.
-_given: SideTable[GradientOptions] = SideTable("an optimizer's GradientOptions")
+_given: "weakref.WeakKeyDictionary[Any, GradientOptions]" = (
+    weakref.WeakKeyDictionary())
 
 
 def gradient_options_of(optimizer: Any) -> GradientOptions | None:

@@ -36,9 +36,8 @@ import os
 import re
 import shutil
 import tempfile
+import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
-
-from tfdist._compat.side_table import SideTable
 
 __all__ = ["FRESH", "VERIFIED", "one_writer", "refuse_unowned"]
 
@@ -60,7 +59,7 @@ _STAGING = ".tfdist-staging-"
 _FIELD = re.compile(r"\{[^{}]*\}")  # A str.format field, as in "{epoch:02d}".
 _SCRATCH = "tfdist-keras-"
 # The callbacks a one_writer holds, kept off them (Keras lists them).
-_held_now: SideTable[bool] = SideTable("that a one_writer holds a callback")
+_held_now: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 _Scratch = Callable[[], str]
 
 
@@ -112,11 +111,11 @@ def one_writer(callbacks: Sequence[Any], *, chief: bool,
 
 @contextlib.contextmanager
 def _held(callback: Any) -> Iterator[None]:
-  _held_now.set(callback, True)
+  _held_now[callback] = True
   try:
     yield
   finally:
-    _held_now.pop(callback)
+    _held_now.pop(callback, None)
 
 
 def _name(path: Any) -> str:
