@@ -162,10 +162,18 @@ class FloodTest(parameterized.TestCase):
       ("1100_under_ulimit_1024", 1_100, 1024),
   )
   def test_a_real_node_joins_under_a_flood(self, count, files):
+    # As many files as this process may open (its launchers inherit it).
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+      resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+      self.addCleanup(resource.setrlimit, resource.RLIMIT_NOFILE,
+                      (soft, hard))
+    except (ValueError, OSError):  # A hard limit past the kernel's nr_open.
+      pass
     own = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if own != resource.RLIM_INFINITY and own < count + 512:
-      self.skipTest(f"this process may open {own} files, too few to flood "
-                    f"with {count} connections")
+      self.skipTest(f"this process may open {own} files (its hard limit "
+                    f"{hard}), too few to flood with {count} connections")
     port = _net.free_ports(1)[0]
     peak = [0]  # Node 0's open files, at most.
 
