@@ -7,7 +7,9 @@ watched and ended by the one live-cluster harness, tests/cluster_utils.py
 TensorFlow starts and a process can join only one cluster.
 
 The session's end lists any time the machine stood still (tests/stalls.py),
-with the test it fell in.
+with the test it fell in, and, where `root_skips.VARIABLE` is set and the
+run is root's, fails the run on each skip of a test that needs root (the
+network bed, SLURM, a full disk: tests/root_skips.py), naming it.
 
 Child processes start with tests/base_install first on PYTHONPATH: they
 import Keras without matplotlib, as a base install does (0.7 s less in each
@@ -55,6 +57,7 @@ tf.config.set_logical_device_configuration(
     _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+import root_skips  # pylint: disable=g-import-not-at-top,wrong-import-position
 import stalls  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -80,6 +83,10 @@ _WAIT_FIRST = ("test_slurm_templates.py", "test_multinode_launch.py",
 _BENCH_LAST = ("test_bench.py", "test_bench_hosts.py")
 
 
+#: What xdist's loadgroup adds to each node id: its stream.
+_STREAM_SUFFIXES = ("@beside", "@clusters")
+
+
 def _clusters_order(item) -> int:
   name = item.path.name
   if name in _WAIT_FIRST:  # The idlest first.
@@ -99,7 +106,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
   """Refuses to run clusters side by side: every id must carry its stream."""
-  lost = [i for i in ids if not i.endswith(("@beside", "@clusters"))]
+  lost = [i for i in ids if not i.endswith(_STREAM_SUFFIXES)]
   if lost:
     raise pytest.UsageError(
         f"{node.gateway.id}: {len(lost)} tests came without their stream "
@@ -114,13 +121,34 @@ def pytest_runtest_logstart(nodeid, location):
 
 
 _worker_stalls: list[tuple[float, str]] = []
+#: (node id, reason) of each skipped test; on xdist's controller, every
+#: stream's.
+_skips: list[tuple[str, str]] = []
+#: `root_skips.hidden`'s lines, where they fail the run.
+_root_skips: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+  if report.skipped and not hasattr(report, "wasxfail"):
+    reason = (report.longrepr[2] if isinstance(report.longrepr, tuple)
+              else report.longrepr)
+    nodeid = report.nodeid
+    if nodeid.endswith(_STREAM_SUFFIXES):
+      nodeid = nodeid.rpartition("@")[0]
+    _skips.append((nodeid, str(reason).removeprefix("Skipped: ")))
 
 
 def pytest_sessionfinish(session):
-  """A stream's stalls go back to the controller, which reports them."""
+  """A stream's stalls go back to the controller, which reports them; the
+  controller (or the one process) fails a root run on `root_skips`."""
   out = getattr(session.config, "workeroutput", None)
   if out is not None:
     out["stalls"] = [(s.seconds, s.test) for s in stalls.stalls()]
+    return
+  if root_skips.enforced(os.environ, os.geteuid()):
+    _root_skips.extend(root_skips.hidden(_skips, str(session.config.rootpath)))
+    if _root_skips and session.exitstatus == pytest.ExitCode.OK:
+      session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -130,7 +158,14 @@ def pytest_testnodedown(node, error):
 
 
 def pytest_terminal_summary(terminalreporter):
-  """Says when the machine stood still (`stalls`), and in which test."""
+  """Says when the machine stood still (`stalls`), and in which test; names
+  the skips that failed a root run (`root_skips`)."""
+  if _root_skips:
+    terminalreporter.section(
+        f"skipped as root: these fail the run ({root_skips.VARIABLE})",
+        red=True)
+    for line in _root_skips:
+      terminalreporter.write_line(line)
   found = [(s.seconds, s.test) for s in stalls.stalls()] + _worker_stalls
   if found:
     terminalreporter.section("machine stalls (not counted by test bounds)")

@@ -27,9 +27,11 @@ import tensorflow as tf
 import cluster_utils
 import tfdist
 from tfdist import launch
+from tfdist.cli import _args
 from tfdist.cli import launch as launch_cli
 from tfdist.cli import main as cli_main
 from tfdist.cli import slurm as slurm_cli
+from tfdist.launch import spec as spec_lib
 from tfdist.training import checkpoints
 
 PY = sys.executable
@@ -208,6 +210,42 @@ class LaunchSpecTest(parameterized.TestCase):
       self.assertEqual(os.listdir(d), [])  # No task ran.
     self.assertEqual(caught.exception.field, "log_dir")
     self.assertEqual(out.getvalue(), "")
+
+  @parameterized.named_parameters(
+      # CUDA_VISIBLE_DEVICES, workers, GPUs per task asked for, the hint,
+      # and what it offers: (workers, GPUs per task; None: left out).
+      ("one_gpu_two_workers", "0", 2, 1,
+       "Run 1 such task, or leave it out so that the 2 tasks share GPU 0",
+       [(1, 1), (2, None)]),
+      ("two_gpus_three_workers", "0,1", 3, 1,
+       "Run at most 2 such tasks, or leave it out so that the 3 tasks share "
+       "GPUs 0,1 in turn", [(2, 1), (3, None)]),
+      ("three_gpus_two_each", "0,1,2", 2, 2,
+       "Run 1 such task, or ask for 1 each, the even share that leaving it "
+       "out gives", [(1, 2), (2, 1), (2, None)]),
+      ("more_than_the_node_has", "3,5", 1, 4,
+       "Ask for 2 each, the even share that leaving it out gives",
+       [(1, 2), (1, None)]),
+  )
+  def test_gpu_plan_says_what_fits(self, visible, workers, each, hint,
+                                   offered):
+    environ = {"CUDA_VISIBLE_DEVICES": visible}
+
+    def plan(workers, each):
+      spec = launch.LaunchSpec(command=("x",), num_workers=workers,
+                               gpus_per_task=each)
+      return spec_lib.gpu_plan(spec, spec.kinds, environ)
+
+    with self.assertRaises(tfdist.ConfigError) as caught:
+      plan(workers, each)
+    self.assertEqual(caught.exception.field, "gpus_per_task")
+    self.assertEqual(caught.exception.expected,
+                     f"at most as many GPUs in all as this node has "
+                     f"({visible}), not {each} for each task that uses GPUs "
+                     f"({workers} here)")
+    self.assertEqual(caught.exception.hint, hint)
+    for choice in offered:  # Each choice offered works.
+      self.assertLen(plan(*choice), choice[0])
 
 
 def _example(name):
@@ -468,6 +506,49 @@ class CliArgumentsTest(absltest.TestCase):
       for line in text.splitlines():  # No option smuggled into a value.
         if line.startswith("#SBATCH"):
           self.assertRegex(line, r"^#SBATCH --[a-z-]+(=[^\s]+)?$")
+
+
+#: Text that looks like the CLI's own words: flags, fields, dashes, spaces.
+_LOOKALIKE = st.lists(st.one_of(
+    st.sampled_from([" ", "-", "--", "host", "--host", "master_port",
+                     "num_workers", "log_dir", "--workers", "workers", ".",
+                     "'", '"', "`", "(", ")", ":", "="]),
+    st.text(st.characters(exclude_categories=("Cc", "Cs", "Zl", "Zp"),
+                          exclude_characters="/"), max_size=4)),
+    max_size=8).map("".join)
+
+
+@pytest.mark.beside
+class VerbatimValuesTest(absltest.TestCase):
+  """The user's values appear in errors exactly as given."""
+
+  @settings(max_examples=100, deadline=None)
+  @given(_LOOKALIKE)
+  def test_launch_quotes_the_log_dir_as_given(self, text):
+    # Under /proc no directory can be made, whatever the name.
+    log_dir = f"/proc/tfdist-no-such-dir {text}"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+      code = cli_main.main(["launch", "--log-dir", log_dir, "--", PY, "-c",
+                            "pass"])
+    self.assertEqual(code, 2)
+    line, = err.getvalue().splitlines()
+    self.assertStartsWith(line, "tfdist: --log-dir: received ")
+    self.assertEndsWith(line, f": {log_dir}")
+
+  @settings(max_examples=200, deadline=None)
+  @given(st.one_of(_LOOKALIKE, st.text()))
+  def test_config_errors_keep_the_text(self, value):
+    with self.assertRaises(tfdist.ConfigError) as caught:
+      with _args.config_errors(source="tfdist launch arguments",
+                               renamed={"master_port": "--master-port"}):
+        raise tfdist.ConfigError(
+            field="master_port", value=value, source="LaunchSpec",
+            expected=f"a port of {value}", hint=f"{value} (master_port)")
+    e = caught.exception
+    self.assertEqual((e.field, e.value, e.expected, e.hint, e.source),
+                     ("--master-port", value, f"a port of {value}",
+                      f"{value} (master_port)", "tfdist launch arguments"))
 
 
 @pytest.mark.beside

@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -186,6 +187,73 @@ class InfoTest(parameterized.TestCase):
     known = len(keras_compat.FIXES + keras_hooks.HOOKS)
     self.assertIn(f"keras:    {known} of {known} tfdist corrections match this "
                   "Keras's code\n", text)
+
+
+@pytest.mark.beside
+@pytest.mark.timeout(120)
+class InfoWithoutTensorFlowTest(parameterized.TestCase):
+  """`tfdist info` in an environment that truly lacks TensorFlow and Keras:
+  every section it can, and the import errors named."""
+
+  @parameterized.named_parameters(
+      ("this_machine", None, "cluster:  the local machine (source=local)"),
+      ("tf_config", {"cluster": {"worker": ["127.0.0.1:{p0}",
+                                            "127.0.0.1:{p1}"]},
+                     "task": {"type": "worker", "index": 1}},
+       "task:     worker:1\n"),
+  )
+  def test_reports_every_section_it_can(self, config, says):
+    python = self._fresh_venv()
+    env = {"PYTHONPATH": cluster_utils.REPO}
+    if config:
+      p0, p1 = cluster_utils.free_ports(2)
+      env["TF_CONFIG"] = json.dumps(config).replace("{p0}", str(p0)).replace(
+          "{p1}", str(p1))
+    run = functools.partial(subprocess.run, env=cluster_utils.base_env(env),
+                            capture_output=True, text=True, timeout=60,
+                            cwd=cluster_utils.REPO)
+    absent = run([python, "-c", "import tensorflow"])
+    self.assertIn("No module named 'tensorflow'", absent.stderr)
+
+    text, as_json = (run([python, "-m", "tfdist", "info", *flag])
+                     for flag in ([], ["--json"]))
+    for r in (text, as_json):
+      self.assertEqual(r.returncode, 1, r.stderr)  # A check failed.
+      self.assertNotIn("Traceback", r.stderr)
+    self.assertIn(says, text.stdout)
+    for line in (
+        "check:    [FAIL] tensorflow: cannot be imported: "
+        "ModuleNotFoundError: No module named 'tensorflow'\n",
+        "check:    [FAIL] keras: cannot be imported: "
+        "ModuleNotFoundError: No module named 'keras'",
+        "devices:  unknown: TensorFlow cannot be imported\n",
+        "strategy: unknown: TensorFlow or Keras cannot be imported\n",
+        "versions: tfdist "):
+      self.assertIn(line, text.stdout)
+    report = json.loads(as_json.stdout)
+    self.assertEqual(report["system"]["os"], platform.platform())
+    self.assertEqual(report["versions"]["tensorflow"], "not installed")
+    self.assertEqual(report["versions"]["tfdist"], tfdist.__version__)
+    self.assertEqual((report["devices"], report["strategy"],
+                      report["keras_corrections"]), (None, None, None))
+    self.assertEqual(report["source"], "tf_config" if config else "local")
+    failed = {c["name"]: c["detail"] for c in report["checks"] if not c["ok"]}
+    self.assertEqual(sorted(failed), ["keras", "tensorflow"])
+    if config:  # The checks that need no TensorFlow still run.
+      port, = [c for c in report["checks"] if c["name"] == "port"]
+      self.assertTrue(port["ok"], port)
+
+  def _fresh_venv(self) -> str:
+    """A fresh virtual environment's Python: the standard library alone, all
+    that ``tfdist info`` needs."""
+    directory = self.enterContext(tempfile.TemporaryDirectory())
+    made = subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", directory],
+        capture_output=True, text=True, timeout=60)
+    if made.returncode:
+      self.skipTest("`python -m venv --without-pip` cannot make an "
+                    f"environment here: {made.stderr.strip()[-300:]}")
+    return os.path.join(directory, "bin", "python")
 
 
 @pytest.mark.beside

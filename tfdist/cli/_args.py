@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
-from typing import Any, Callable, Collection, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from tfdist.errors import ConfigError
 
@@ -89,44 +89,24 @@ def command(args: argparse.Namespace, *, source: str,
 
 
 @contextlib.contextmanager
-def config_errors(*, source: str, renamed: Mapping[str, str] | None = None,
-                  args: argparse.Namespace | None = None) -> Iterator[None]:
+def config_errors(*, source: str,
+                  renamed: Mapping[str, str] | None = None) -> Iterator[None]:
   """Re-raises a `ConfigError` in terms of the command line.
+
+  Its expectation and hint are kept word for word, and with them the user's
+  values as given: the library writes them for API and CLI users alike.
 
   Args:
     source: the subcommand's arguments, e.g. ``"tfdist launch arguments"``.
     renamed: config field -> the flag that sets it, for configs whose fields
-      are not spelt like their flags; the field is renamed in the error's
-      field, expectation and hint.
-    args: the parsed command line: none of its values is ever renamed.
+      are not spelt like their flags: the error's field becomes the flag.
 
   Raises:
     ConfigError: the error from the body, with ``source`` as its source.
   """
-  renamed = dict(renamed or {})
   try:
     yield
   except ConfigError as e:
-    values = [e.value, *vars(args or argparse.Namespace()).values()]
-    keep = {str(word) for value in values
-            for word in (value if isinstance(value, (list, tuple))
-                         else [value])}
-    raise ConfigError(field=renamed.get(e.field, e.field), value=e.value,
-                      expected=_respell(e.expected, renamed, keep),
-                      source=source,
-                      hint=_respell(e.hint, renamed, keep)) from None
-
-
-def _respell(text: str | None, renamed: Mapping[str, str],
-             keep: Collection[str]) -> str | None:
-  """``text`` with each config field in ``renamed`` written as its flag
-  where it stands as a word of its own: never inside a longer word (a host
-  name, a path: ``no.such.host.invalid`` stays) nor where it is one of the
-  user's values (``keep``)."""
-  if not text or not renamed:
-    return text
-  names = "|".join(map(re.escape, sorted(renamed, key=len, reverse=True)))
-  pattern = (r"(?<![^\s(\[{'\"`])(" + names
-             + r")(?=$|[\s)\]}'\"`,;=]|[.:!?](?:\s|$))")
-  return re.sub(pattern, lambda m: (m.group(1) if m.group(1) in keep
-                                    else renamed[m.group(1)]), text)
+    raise ConfigError(field=(renamed or {}).get(e.field, e.field),
+                      value=e.value, expected=e.expected, source=source,
+                      hint=e.hint) from None

@@ -1,6 +1,7 @@
 """``tfdist info``: prints `tfdist.report`'s report on this process.
 
-Exits 0 when every pre-flight check passed, 1 when one failed.
+Exits 0 when every pre-flight check passed, 1 when one failed (TensorFlow
+or Keras that cannot be imported fails one).
 """
 
 from __future__ import annotations

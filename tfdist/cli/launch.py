@@ -100,7 +100,7 @@ def build_spec(args: argparse.Namespace) -> launch_lib.LaunchSpec:
   Raises:
     ConfigError: the arguments make an invalid spec.
   """
-  with _errors(args):
+  with _errors():
     return launch_lib.LaunchSpec(
         command=_args.command(args, source=_SOURCE, example=_EXAMPLE),
         **_args.given(args, _FLAGS))
@@ -114,10 +114,9 @@ def run(args: argparse.Namespace) -> int:
       run it; no task is left running.
   """
   spec = build_spec(args)
-  with _errors(args):
+  with _errors():
     return launch_lib.launch(spec)
 
 
-def _errors(args: argparse.Namespace):
-  return _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS),
-                             args=args)
+def _errors():
+  return _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS))

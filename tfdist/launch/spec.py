@@ -124,8 +124,7 @@ class LaunchSpec:
     object.__setattr__(self, "command", tuple(self.command))
     _int_at_least("num_workers", self.num_workers,
                   1 if self.nnodes == 1 else 0, high=_MAX_TASKS,
-                  hint="Every cluster needs a worker: set num_workers to 1 "
-                        "or more")
+                  hint="Every cluster needs a worker: ask for 1 or more")
     _int_at_least("num_ps", self.num_ps, 0, high=_MAX_TASKS)
     _int_at_least("max_restarts", self.max_restarts, 0)
     _seconds("grace_seconds", self.grace_seconds, zero=False)
@@ -151,7 +150,7 @@ class LaunchSpec:
           field="nnodes", value=f"{low}:{high}", source=_SOURCE,
           expected="a MIN this node's tasks can serve: node 0 runs no worker, "
                    "so it cannot train alone",
-          hint="Give node 0 --workers 1 or more, or a MIN of 2 or more")
+          hint="Give node 0 a worker or more, or a MIN of 2 or more")
     if self.elastic and self.node_rank and (self.chief or self.num_ps
                                             or self.evaluator):
       raise ConfigError(
@@ -159,15 +158,16 @@ class LaunchSpec:
           expected="0 for a node with a chief, ps or evaluator task in an "
                    "elastic job (only node 0, which holds the rendezvous, is "
                    "sure to stay)",
-          hint="Put --chief, --ps and --evaluator on node 0; other nodes run "
-               "workers")
+          hint="Put the chief, ps and evaluator tasks on node 0; other "
+               "nodes run workers")
     if self.nnodes > 1:
       if self.master_addr is None or self.master_port is None:
         raise ConfigError(
             field="master_addr" if self.master_addr is None else "master_port",
             value=None, source=_SOURCE,
-            expected=f"node 0's address and port for nnodes={self.nnodes}",
-            hint="Give every node the same --master-addr and --master-port")
+            expected=f"node 0's address and port for a job of "
+                     f"{self.nnodes} nodes",
+            hint="Give every node the same master address and port")
       _host("master_addr", self.master_addr)
       _int_at_least("master_port", self.master_port, 1, high=65535)
     if self.secret_file is not None:
@@ -325,7 +325,8 @@ def preflight(spec: LaunchSpec) -> Prepared:
           field="port_base", value=spec.port_base, source=_SOURCE,
           expected=(f"{spec.num_tasks} free ports from {spec.port_base}; "
                     f"port {taken[0]} on {spec.address} is taken"),
-          hint="Pick another port_base or leave it out to use free ports")
+          hint="Pick another first port, or leave it out to use free "
+               "ports")
 
   if spec.nnodes > 1:
     _, why = _net.lookup(spec.master_addr)
@@ -371,12 +372,12 @@ def job_secret(spec: LaunchSpec) -> str | None:
   if spec.nnodes > 1:
     raise ConfigError(
         field="secret_file", value=None, source=_SOURCE,
-        expected=f"the job's shared secret on every node for nnodes="
-                 f"{spec.nnodes}",
+        expected=f"the job's shared secret, the same on each of its "
+                 f"{spec.nnodes} nodes",
         hint=f"Set {_net.JOB_SECRET_VARIABLE} to the same random value on "
-             "every node (e.g. from `openssl rand -hex 32`), or give "
-             "--secret-file with a file only you can read; never pass it "
-             "as an argument")
+             "every node (e.g. from `openssl rand -hex 32`), or give a file "
+             "that holds it and only you can read; never pass it as an "
+             "argument")
   return None
 
 
@@ -393,7 +394,8 @@ def gpu_plan(spec: LaunchSpec, kinds: Sequence[str],
   With no GPU known every value is ``None``: the variable is left alone.
 
   Raises:
-    ConfigError: ``gpus_per_task`` asks for more GPUs than there are.
+    ConfigError: ``gpus_per_task`` asks for more GPUs than there are; it
+      says what fits instead.
   """
   environ = os.environ if environ is None else environ
   visible = environ.get("CUDA_VISIBLE_DEVICES")
@@ -412,8 +414,10 @@ def gpu_plan(spec: LaunchSpec, kinds: Sequence[str],
   if each is not None and each * len(users) > len(gpus):
     raise ConfigError(
         field="gpus_per_task", value=each, source=_SOURCE,
-        expected=(f"at most {len(gpus) // len(users)} for {len(users)} tasks "
-                  f"on this node's {len(gpus)} GPUs ({','.join(gpus)})"))
+        expected=(f"at most as many GPUs in all as this node has "
+                  f"({','.join(gpus)}), not {each} for each task that uses "
+                  f"GPUs ({len(users)} here)"),
+        hint=_what_fits(each, len(users), gpus))
   if each is None:
     each = max(1, len(gpus) // len(users))
   plan: list[str | None] = [""] * len(kinds)
@@ -421,6 +425,22 @@ def gpu_plan(spec: LaunchSpec, kinds: Sequence[str],
     plan[i] = ",".join(gpus[(n * each + k) % len(gpus)] for k in range(each))
   return plan
 
+
+
+def _what_fits(each: int, tasks: int, gpus: Sequence[str]) -> str:
+  """The choices that fit ``tasks`` tasks of ``each`` GPUs on ``gpus``."""
+  fewer = len(gpus) // each
+  choices = [f"run {fewer} such task" if fewer == 1 else
+             f"run at most {fewer} such tasks"] if fewer else []
+  if len(gpus) >= tasks:
+    choices.append(f"ask for {len(gpus) // tasks} each, the even share "
+                   "that leaving it out gives")
+  else:
+    shared = (f"GPU {gpus[0]}" if len(gpus) == 1
+              else f"GPUs {','.join(gpus)} in turn")
+    choices.append(f"leave it out so that the {tasks} tasks share {shared}")
+  said = ", or ".join(choices)
+  return said[0].upper() + said[1:]
 
 
 def make_dirs(path: str | None) -> None:
