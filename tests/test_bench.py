@@ -164,6 +164,15 @@ class QuickBenchTest(absltest.TestCase):
         memory["tfdist_peak_rss_mb"] / memory["raw_peak_rss_mb"])
     self.assertEqual(self.report["memory_ratio"], memory["memory_ratio"])
 
+  def test_the_flight_recorder_is_timed_with_and_without(self):
+    recorder = self.report["raw"]["options"]["flight_recorder"]
+    self.assertGreater(recorder["steps_per_s"], 0)
+    self.assertGreater(recorder["baseline_steps_per_s"], 0)
+    self.assertAlmostEqual(
+        recorder["ratio"],
+        recorder["steps_per_s"] / recorder["baseline_steps_per_s"])
+    self.assertEqual(self.report["flight_recorder_ratio"], recorder["ratio"])
+
   def test_workers_are_pinned_one_core_each(self):
     pinning = self.report["config"]["pinning"]
     self.assertIs(pinning["pinned"], True)

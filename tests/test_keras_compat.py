@@ -26,7 +26,8 @@ from tfdist.strategy import keras_hooks
 import cluster_utils
 
 ALL_FIXES = ("atomic_assign_add", "chief_aware_callbacks",
-             "distributed_input_autotune", "jit_compile_multi_replica",
+             "distributed_input_autotune", "flight_steps",
+             "jit_compile_multi_replica",
              "lazy_optimizer_build", "loss_scale_agreement",
              "multi_worker_scalar_mean", "scope_errors", "steps_per_execution",
              "strategy_transport", "symbolic_build_reduce", "transport_errors")

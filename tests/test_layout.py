@@ -28,7 +28,7 @@ PACKAGE = os.path.join(ROOT, "tfdist")
 #: Module prefix -> floor; the longest matching prefix wins.
 FLOORS = {
     "tfdist.errors": 0, "tfdist._net": 0, "tfdist._lazy": 0,
-    "tfdist._secret": 0, "tfdist._compat": 0,
+    "tfdist._secret": 0, "tfdist._compat": 0, "tfdist._flight": 0,
     "tfdist.cluster": 1, "tfdist.ring": 1,
     "tfdist.strategy": 2,
     "tfdist.data": 3, "tfdist.perf": 3,

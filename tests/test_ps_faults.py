@@ -33,6 +33,7 @@ import cluster_utils
 from cluster_utils import tail
 import stalls
 import tfdist
+from tfdist import _flight
 from tfdist.strategy import server
 from tfdist.training import _worker_errors
 
@@ -296,7 +297,7 @@ class ErrorMappingTest(parameterized.TestCase):
   )
   def test_summary_skips_generic_lines(self, message, expected):
     error = tf.errors.UnavailableError(None, None, message)
-    self.assertEqual(_worker_errors.summary(error), expected)
+    self.assertEqual(_flight.summary(error), expected)
 
   @parameterized.named_parameters(
       ("remote_target", ["h:1", "h:2"], GRAPH_ERROR, ["ps:1 at h:2"]),

@@ -17,8 +17,11 @@ tfdist path with hand-written code for the same model, data and strategy:
 
 Options (each a ratio of a variant over its baseline, same process):
 ``steps_per_execution`` (8 over 1, tfdist.fit), ``xla`` (jit_compile over
-none, default strategy: Keras switches XLA off under Mirrored), and
-``autotune`` (a parallel map + AUTOTUNE prefetch over a serial pipeline).
+none, default strategy: Keras switches XLA off under Mirrored),
+``autotune`` (a parallel map + AUTOTUNE prefetch over a serial pipeline),
+and ``flight_recorder`` (``model.fit`` under tfdist's strategy with the
+flight recorder over without it, `tfdist._flight`: its cost on a step of a
+few milliseconds, where it weighs most).
 Timing windows of the variants alternate; figures are medians. Prints one
 JSON line.
 """
@@ -168,6 +171,20 @@ def _option_cases(spec: dict, ours) -> dict[str, Pair]:
     return (tfdist_fit(_model(ours, spec, name="cnn"), fast),
             tfdist_fit(_model(ours, spec, name="cnn"), slow))
 
+  def flight_recorder():
+    from tfdist import _flight  # pylint: disable=g-import-not-at-top
+    model = _model(ours, spec)
+
+    def fit(on):
+      def run(n):
+        _flight.set_recording(on)
+        try:
+          return model.fit(data, epochs=1, steps_per_epoch=n, verbose=0)
+        finally:
+          _flight.set_recording(True)
+      return run
+    return fit(True), fit(False)
+
   builders = {  # Built only when timed.
       "steps_per_execution": lambda: (
           tfdist_fit(_model(ours, spec, steps_per_execution=8), data),
@@ -178,9 +195,11 @@ def _option_cases(spec: dict, ours) -> dict[str, Pair]:
           _keras_fit(_model(default, spec, name="cnn", jit=False),
                      _data(cnn, "cnn"))),
       "autotune": autotune,
+      "flight_recorder": flight_recorder,
   }
-  if spec.get("quick"):  # CI checks the bench runs; one option is enough.
-    builders = {"steps_per_execution": builders["steps_per_execution"]}
+  if spec.get("quick"):  # CI checks the bench runs: two options.
+    builders = {k: builders[k]
+                for k in ("steps_per_execution", "flight_recorder")}
   return {name: build() for name, build in builders.items()}
 
 

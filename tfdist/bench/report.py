@@ -53,6 +53,7 @@ TARGETS: tuple[Target, ...] = (
     Target(key="allreduce_fraction_of_loopback", bound=0.5),
     Target(key="startup_ratio", bound=1.2, higher_is_better=False),
     Target(key="memory_ratio", bound=1.1, higher_is_better=False),
+    Target(key="flight_recorder_ratio", bound=0.99),
 )
 
 #: Headline keys and their types (a dict maps model name to float).
@@ -63,6 +64,7 @@ HEADLINE_KEYS: dict[str, type] = {
     "allreduce_fraction_of_loopback": float,
     "startup_ratio": float,
     "memory_ratio": float,
+    "flight_recorder_ratio": float,
 }
 
 _SECTIONS = ("overhead", "options", "scaling", "allreduce", "startup",
@@ -86,6 +88,7 @@ def build(*, overhead: dict, scaling: dict, allreduce: dict, startup: dict,
       "allreduce_fraction_of_loopback": allreduce["fraction_of_loopback"],
       "startup_ratio": startup["startup_ratio"],
       "memory_ratio": memory["memory_ratio"],
+      "flight_recorder_ratio": overhead["options"]["flight_recorder"]["ratio"],
   }
   # What this machine allows, measured in the same run: N processes training
   # alone (nothing exchanged), and the bytes an all-reduce must move sent

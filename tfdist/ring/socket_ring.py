@@ -73,6 +73,7 @@ from typing import Callable, Sequence
 from absl import logging
 import numpy as np
 
+from tfdist import _flight
 from tfdist import _net
 from tfdist.errors import ConfigError
 from tfdist.errors import WorkerLostError
@@ -360,8 +361,8 @@ class SocketRing:
 
   def all_reduce(self, data: np.ndarray | Sequence[np.ndarray], *,
                  wire: str = "float32", tag: int = 0,
-                 out: np.ndarray | Sequence[np.ndarray] | None = None
-                 ) -> np.ndarray | list[np.ndarray]:
+                 out: np.ndarray | Sequence[np.ndarray] | None = None,
+                 kind: str = "all-reduce") -> np.ndarray | list[np.ndarray]:
     """The element-wise sum of ``data`` over every process of the ring.
 
     Every process must call with the same length, ``wire`` and ``tag``, in
@@ -377,6 +378,7 @@ class SocketRing:
         ``data``'s size; for a list, a list of such arrays of its arrays'
         sizes, in order. ``data`` itself sums in place. New arrays when
         omitted.
+      kind: what the call is, for the flight recorder (`tfdist._flight`).
 
     Returns:
       ``out`` (or new float32 arrays) holding the same bits on every
@@ -403,14 +405,14 @@ class SocketRing:
                           expected=f"a list of {len(xs)} arrays, as data")
       outs = [self._checked_out(o, x.size) for o, x in zip(out, xs)]
       self._sum(pieces.Pieces(_apart(xs, outs)), pieces.Pieces(outs), wire,
-                tag)
+                tag, kind)
       return list(out)
     x = np.ascontiguousarray(data, dtype=np.float32).reshape(-1)
     if out is None:
       out = np.empty(x.size, np.float32)
     flat_out = self._checked_out(out, x.size)
     self._sum(pieces.Pieces(_apart([x], [flat_out])),
-              pieces.Pieces([flat_out]), wire, tag)
+              pieces.Pieces([flat_out]), wire, tag, kind)
     return _shaped(out, data)
 
   def _checked_out(self, out, size: int) -> np.ndarray:
@@ -425,7 +427,7 @@ class SocketRing:
     return out.reshape(-1)
 
   def _sum(self, x: pieces.Pieces, out: pieces.Pieces, wire: str,
-           tag: int) -> None:
+           tag: int, kind: str) -> None:
     """Sums ``x`` into ``out`` (the same layout) by the ring or doubling."""
     with self._lock:
       if self.size == 1 and self._failure is None:
@@ -433,18 +435,27 @@ class SocketRing:
           if a.ctypes.data != b.ctypes.data:
             np.copyto(b, a)
         return
-      if wire == "float32" and 0 < x.size * 4 <= self._doubling_bytes:
-        if len(x.arrays) == 1:
-          self._double_locked(x.arrays[0], out.arrays[0], tag)
+      with self._recorded(kind, wire, x.size):
+        if wire == "float32" and 0 < x.size * 4 <= self._doubling_bytes:
+          if len(x.arrays) == 1:
+            self._double_locked(x.arrays[0], out.arrays[0], tag)
+            return
+          flat = np.concatenate(x.arrays)  # At most doubling_bytes.
+          self._double_locked(flat, flat, tag)
+          for at, o in out.views(0, out.size):
+            np.copyto(o, flat[at:at + o.size])
           return
-        flat = np.concatenate(x.arrays)  # At most doubling_bytes.
-        self._double_locked(flat, flat, tag)
-        for at, o in out.views(0, out.size):
-          np.copyto(o, flat[at:at + o.size])
-        return
-      self._call_locked(
-          "all-reduce", x.size, wire, tag,
-          lambda header: self._reduce(x, out, wire, header))
+        self._call_locked(
+            "all-reduce", x.size, wire, tag,
+            lambda header: self._reduce(x, out, wire, header))
+
+  def _recorded(self, kind: str, wire: str, size: int):
+    """The flight recorder's note of one call: its peers are the ring."""
+    members = self._members
+    return _flight.recorded(
+        kind, transport=f"socket ring ({wire})", nbytes=size * 4,
+        peers=f"ring of {members.size}: from {members.names[members.left]}"
+              f" to {members.names[members.right]}")
 
   def send_receive(self, data: np.ndarray, out: np.ndarray, *,
                    tag: int = 0) -> None:
@@ -469,7 +480,8 @@ class SocketRing:
       if self.size == 1 and self._failure is None:
         np.copyto(out.reshape(-1), data.reshape(-1))
         return
-      self._send_receive_locked(data.reshape(-1), out.reshape(-1), tag=tag)
+      with self._recorded("exchange", "float32", data.size):
+        self._send_receive_locked(data.reshape(-1), out.reshape(-1), tag=tag)
 
   def _send_receive_locked(self, x: np.ndarray, flat_out: np.ndarray, *,
                            tag: int, what: str = "exchange") -> None:

@@ -34,6 +34,7 @@ import sys
 import time
 import types
 
+from tfdist import _flight
 from tfdist.cluster.info import ClusterInfo
 
 __all__ = ["BARRIER_ID", "register"]
@@ -99,7 +100,9 @@ def _wait(task: str, timeout_s: float) -> None:
   from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
   start = time.monotonic()
   try:
-    context.context().wait_at_barrier(BARRIER_ID, int(timeout_s * 1000))
+    with _flight.recorded("barrier: clean exit", peers="every task",
+                          transport="tensorflow coordination service"):
+      context.context().wait_at_barrier(BARRIER_ID, int(timeout_s * 1000))
   except Exception as e:  # pylint: disable=broad-except
     # A peer that failed, or one still busy past the bound: leave anyway,
     # saying so, with the exit status the program chose.

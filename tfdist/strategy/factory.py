@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 from absl import logging
 import tensorflow as tf
 
+from tfdist import _flight
 from tfdist._compat import keras as keras_compat
 from tfdist.cluster import local as local_lib
 from tfdist.cluster import names as names_lib
@@ -316,6 +317,7 @@ def make_strategy(name: str = "auto", *,
   # what cannot be corrected is refused with a ConfigError, and Keras's
   # writing callbacks write from the chief that tfdist's one rule names.
   install_keras_hooks()
+  _flight.watch()  # Where tfdist launch asked: dumps while the rest waits.
   # From here until training watches signals, nothing can be saved: SIGTERM
   # and SIGUSR1 exit 42 at once, saying so.
   startup_lib.install_stop_handlers()

@@ -8,7 +8,8 @@ puts Keras's own back on `restore`).
 |---------------------------|------------------------------------------------|--------------|
 | ``chief_aware_callbacks`` | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their callbacks) | every worker wrote ModelCheckpoint, BackupAndRestore, TensorBoard and CSVLogger paths and drew the progress bar: the chief alone does (`tfdist.strategy.keras_callbacks`) |
 | ``strategy_transport``    | ``TFOptimizer._all_reduce_sum_gradients``      | gradients take the transport `make_strategy` chose, or the optimizer's `GradientOptions` ask for (`transport.keras_all_reduce`) |
-| ``transport_errors``      | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their errors) | the ring's error (a lost peer, named) came out of ``tf.numpy_function`` as TensorFlow's ``UnknownError``: it is raised as itself |
+| ``transport_errors``      | ``TensorFlowTrainer.fit``, ``evaluate``, ``predict`` (their errors) | the ring's error (a lost peer, named) came out of ``tf.numpy_function`` as TensorFlow's ``UnknownError``: it is raised as itself; a collective's timeout or lost peer dumps the flight record first (`tfdist._flight`) |
+| ``flight_steps``          | ``TensorFlowTrainer.fit`` (its callbacks)      | the flight recorder sees each training step (`tfdist.strategy.flight_steps`) |
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from __future__ import annotations
 import functools
 import inspect
 
+from tfdist import _flight
 from tfdist._compat import keras as keras_compat
 from tfdist.errors import ConfigError
+from tfdist.strategy import flight_steps
 from tfdist.strategy import introspect
 from tfdist.strategy import keras_callbacks
 from tfdist.strategy import transport as transport_lib
@@ -71,9 +74,27 @@ def _transport_errors(original):
       strategy = self._distribute_strategy  # pylint: disable=protected-access
       failure = (transport_lib.failure_of(strategy) if strategy is not None
                  else None)
+      _flight.failed(failure or e)
       if failure is None or failure is e:
         raise
       raise failure.with_traceback(None) from e
+  return functools.wraps(original)(wrapper)
+
+
+# The flight recorder sees each step of `fit` from a callback put first
+# (`flight_steps.FlightSteps`). A CallbackList of the user's is left as it is.
+def _flight_steps(original):
+  signature = inspect.signature(original)
+
+  def wrapper(self, *args, **kwargs):
+    bound = signature.bind(self, *args, **kwargs)
+    callbacks = bound.arguments.get("callbacks")
+    if (self._distribute_strategy is not None  # pylint: disable=protected-access
+        and _flight.recording()
+        and isinstance(callbacks, (list, tuple, type(None)))):
+      bound.arguments["callbacks"] = [flight_steps.FlightSteps(),
+                                      *(callbacks or ())]
+    return original(*bound.args, **bound.kwargs)
   return functools.wraps(original)(wrapper)
 
 
@@ -105,6 +126,10 @@ HOOKS: tuple[keras_compat.Fix, ...] = (
          f"{_OPTIMIZER}:TFOptimizer._backend_update_step": "9be20bff479173f6"},
         "none: Keras sums gradients by the strategy's collectives only",
         install={_ALL_REDUCE: _all_reduce_sum_gradients}),
+    keras_compat.Fix(
+        "flight_steps", {f"{_TRAINER}:TensorFlowTrainer.fit": None},
+        "none: TensorFlow's collectives say only that they timed out",
+        install={f"{_TRAINER}:TensorFlowTrainer.fit": _flight_steps}),
     keras_compat.Fix(
         "transport_errors", _PUBLIC_RUNS,
         "none: an error raised in tf.numpy_function becomes UnknownError",

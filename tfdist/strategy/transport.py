@@ -103,6 +103,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tfdist import _flight
 from tfdist import _net
 from tfdist import ring as ring_lib
 from tfdist.errors import ConfigError
@@ -293,8 +294,10 @@ def agree(strategy, choice: Choice, *, timeout_s: float,
     if task == me:
       continue
     try:
-      value = rendezvous.lookup(f"{_KEY_PREFIX}/choice/{task}",
-                                max(0.001, deadline - time.monotonic()))
+      with _flight.recorded("barrier: transport agreement", peers=task,
+                            transport="tensorflow coordination service"):
+        value = rendezvous.lookup(f"{_KEY_PREFIX}/choice/{task}",
+                                  max(0.001, deadline - time.monotonic()))
     except TimeoutError:
       raise StartupTimeoutError(
           f"transport: {me} waited {timeout_s:.0f} s for {task} to say "
@@ -683,7 +686,7 @@ def socket_all_reduce(grads: Sequence[Any], *, compression: str,
   wire = get_compression(compression).ring_wire
   groups = buckets(tensors, bucket_bytes)
   if len(groups) == 1:
-    args, reduce = _bucket(ring, tensors, wire, _SUMS)
+    args, reduce = _bucket(ring, tensors, wire, _SUMS, "gradient bucket 1/1")
     nbytes = _bytes(tensors)
     sums = tf.numpy_function(
         lambda *a: timeline.note_bucket(
@@ -733,9 +736,11 @@ def _bytes(tensors: Sequence[tf.Tensor]) -> int:
   return sum((t.shape.num_elements() or 0) * 4 for t in tensors)
 
 
-def _bucket(ring, tensors: Sequence[tf.Tensor], wire: str, sums: "_Buffers"):
+def _bucket(ring, tensors: Sequence[tf.Tensor], wire: str, sums: "_Buffers",
+            kind: str):
   """The inputs of one all-reduce of ``tensors`` and the numpy function
-  that sums them (into a buffer of ``sums``) and returns each one's sum."""
+  that sums them (into a buffer of ``sums``) and returns each one's sum;
+  ``kind`` names it to the flight recorder."""
   tag = _signature(tensors)
   packed_inputs = [_packed([tensors[i] for i in group])
                    for group in _groups(tensors)]
@@ -759,7 +764,7 @@ def _bucket(ring, tensors: Sequence[tf.Tensor], wire: str, sums: "_Buffers"):
     for x in xs:  # Each input's place in the packed layout of `_views`.
       outs.append(out[start:start + x.size])
       start += x.size + (-x.size % _ALIGN)
-    ring.all_reduce(xs, wire=wire, tag=tag, out=outs)
+    ring.all_reduce(xs, wire=wire, tag=tag, out=outs, kind=kind)
     return _views(out, sizes)
 
   return inputs + [counts], reduce
@@ -783,7 +788,8 @@ def _overlapped(ring, tensors, wire: str, groups: list[list[int]], *,
   tickets, previous = [], []
   for k, group in enumerate(groups):
     members = [tensors[i] for i in group]
-    args, reduce = _bucket(ring, members, wire, _Buffers(sizes=1))
+    args, reduce = _bucket(ring, members, wire, _Buffers(sizes=1),
+                           f"gradient bucket {k + 1}/{len(groups)}")
     def start(*arrays, reduce=reduce, k=k, nbytes=_bytes(members)):
       return np.int64(courier.start(functools.partial(
           timeline.note_bucket, functools.partial(reduce, *arrays), bucket=k,

@@ -18,11 +18,12 @@ from typing import Iterator, Mapping, Sequence
 
 import tensorflow as tf
 
+from tfdist import _flight
 from tfdist.errors import WorkerLostError
 from tfdist.strategy import introspect
 from tfdist.strategy import transport
 
-__all__ = ["LOST_PEER_ERRORS", "lost_ps_tasks", "summary", "worker_errors"]
+__all__ = ["LOST_PEER_ERRORS", "lost_ps_tasks", "worker_errors"]
 
 #: TensorFlow's errors for a peer that died, stopped or stopped answering.
 LOST_PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
@@ -31,8 +32,6 @@ LOST_PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
 # TensorFlow names the remote task an RPC failed on, e.g. "GRPC error
 # information from remote target /job:ps/replica:0/task:1".
 _REMOTE_PS = re.compile(r"remote target /job:ps/replica:\d+/task:(\d+)")
-_GENERIC_LINE = re.compile(r"^(graph execution error:|\d+ root error\(s\) "
-                           r"found\.)$", re.IGNORECASE)
 
 
 @contextlib.contextmanager
@@ -54,13 +53,14 @@ def worker_errors(strategy: tf.distribute.Strategy) -> Iterator[None]:
     yield
   except tf.errors.OpError as e:
     ring_failure = transport.failure_of(strategy)
+    _flight.failed(ring_failure or e)
     if ring_failure is not None:  # E.g. a WorkerLostError naming the peer.
       raise ring_failure.with_traceback(None) from e
     if not isinstance(e, LOST_PEER_ERRORS):
       raise
     task_type, task_id, cluster = introspect.task_of(strategy)
     me = f"{task_type}:{task_id}" if task_type else "this process"
-    cause = f"{type(e).__name__}: {summary(e)}"
+    cause = f"{type(e).__name__}: {_flight.summary(e)}"
     lost_ps = (lost_ps_tasks(cluster.get("ps", []), e)
                if introspect.is_parameter_server(strategy) else [])
     if lost_ps:
@@ -76,15 +76,6 @@ def worker_errors(strategy: tf.distribute.Strategy) -> Iterator[None]:
         f"({cause}). Restart the cluster (tfdist launch --max-restarts K, or "
         "SLURM's requeue); with backup_dir training resumes from the last "
         "backup") from e
-
-
-def summary(error: Exception, limit: int = 300) -> str:
-  """The first informative line of a TensorFlow error message."""
-  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-  for line in lines:
-    if not _GENERIC_LINE.match(line):
-      return line[:limit]
-  return (lines[0] if lines else "no message")[:limit]
 
 
 def lost_ps_tasks(addresses: Sequence[str] | Mapping[int, str],

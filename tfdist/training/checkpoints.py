@@ -30,10 +30,12 @@ from typing import Callable
 from absl import logging
 import tensorflow as tf
 
+from tfdist import _flight
 from tfdist.errors import CheckpointError
 from tfdist.errors import ConfigError
 from tfdist.errors import DiskFullError
 from tfdist.errors import TfdistError
+from tfdist.strategy import flight_steps
 from tfdist.strategy import introspect
 from tfdist.training import chief as chief_lib
 from tfdist.training import ownership
@@ -225,7 +227,9 @@ def _gather(strategy: tf.distribute.Strategy, values: list[float]) -> list:
   @tf.function
   def gather(value):
     return strategy.gather(strategy.run(tf.identity, args=(value,)), axis=0)
-  return gather(tf.constant([values], tf.float64)).numpy().tolist()
+  with _flight.recorded("barrier: restored position", transport="tensorflow",
+                        peers=flight_steps.peers(strategy)):
+    return gather(tf.constant([values], tf.float64)).numpy().tolist()
 
 
 def _number(path: str) -> int:

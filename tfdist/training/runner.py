@@ -28,9 +28,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import tensorflow as tf
 
+from tfdist import _flight
 from tfdist.data import feed
 from tfdist.data.feed import DatasetFn
 from tfdist.errors import ConfigError
+from tfdist.strategy import flight_steps
 from tfdist.strategy import introspect
 from tfdist.training import _input
 from tfdist.training import _worker_errors
@@ -118,6 +120,8 @@ class Runner:
           hint="Wrap the dataset: lambda ctx: dataset.shard("
                "ctx.num_input_pipelines, ctx.input_pipeline_id)")
     self._strategy = strategy
+    self._peers = flight_steps.peers(strategy)  # For the flight recorder.
+    _flight.watch()
     self._options = options
     self._directory = (chief_lib.absolute(options.checkpoint_dir)
                        if options.checkpoint_dir else None)
@@ -188,7 +192,10 @@ class Runner:
       n = min(self._options.steps_per_loop, num_steps - self._step)
       for metric in self._metrics:
         metric.reset_state()
-      logs = self._run(self._train_loop, self._train_iter, n)
+      _flight.begin_step(self._step + 1)
+      with _flight.recorded("gradients" if n == 1 else f"gradients, {n} steps",
+                            transport="tensorflow", peers=self._peers):
+        logs = self._run(self._train_loop, self._train_iter, n)
       self._advance(n)
       self._write_summaries("train", logs)
       self._check_preemption()

@@ -1,0 +1,194 @@
+"""The stall report: which task is behind, at which step, on which line.
+
+Each task of ``tfdist launch`` keeps a flight record of its collectives
+(`tfdist._flight`) and dumps it, with every thread's stack, into this
+round's flight directory when asked. The launcher asks (`ask`) on
+``SIGUSR2``, when a task's collective timed out or lost a peer, and when a
+task saw no step for ``--stall-seconds``; it waits at most `WAIT_S` for the
+dumps (`collect`) and prints one screen (`report`): each task's step and last
+collective, who is behind and by how much, the innermost frame of the user's
+code in each task, and where the dumps are. A task that cannot dump (stopped,
+ended, or unable to write) is named with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Mapping
+
+from tfdist import _flight
+
+__all__ = ["WAIT_S", "ask", "collect", "report", "stalled"]
+
+#: The most the launcher waits for the tasks' dumps.
+WAIT_S = 10.0
+_POLL_S = 0.1
+#: A dump's reason when a task saw no step (`tfdist._flight`).
+_STALL = "no step for"
+
+#: A task's answer: its dump, or why there is none.
+Found = Mapping[str, "dict | str"]
+
+
+def ask(directory: str) -> int:
+  """Asks every task writing to ``directory`` for a dump; the request's
+  number, which the dumps answering it carry."""
+  path = os.path.join(directory, _flight.REQUEST_FILE)
+  try:
+    with open(path) as f:
+      number = int(f.read().strip() or 0) + 1
+  except (OSError, ValueError):
+    number = 1
+  with open(path + ".tmp", "w") as f:
+    f.write(str(number))
+  os.replace(path + ".tmp", path)
+  return number
+
+
+def stalled(directory: str, seen: set[str]) -> str | None:
+  """The first task whose dump says it saw no step and is not in ``seen``
+  (it is added); ``None`` when there is none."""
+  for task, dump in sorted(_dumps(directory).items()):
+    key = f"{task}@{dump.get('progress_at')}"
+    if str(dump.get("reason", "")).startswith(_STALL) and key not in seen:
+      seen.add(key)
+      return f"{task} saw {dump['reason']}"
+  return None
+
+
+def collect(directory: str, pids: Mapping[str, int], *, request: int,
+            since: float, wait_s: float = WAIT_S) -> dict[str, dict | str]:
+  """Each task's dump answering ``request``, or why it has none.
+
+  Args:
+    directory: this round's flight directory.
+    pids: each task (``worker:1``) to its process id.
+    request: the number `ask` returned; a dump written since ``since``
+      for another reason (a timeout, a stall) answers too.
+    since: ``time.time()`` when the round began.
+    wait_s: the bound on waiting.
+  """
+  deadline = time.monotonic() + wait_s
+  while True:
+    dumps = _dumps(directory)
+    found: dict[str, dict | str] = {}
+    for task, pid in pids.items():
+      dump = dumps.get(task)
+      if dump and (dump.get("request", 0) >= request
+                   or dump.get("time", 0) >= since
+                   and dump.get("reason") != "the launcher asked"):
+        found[task] = dump
+      else:
+        found[task] = _state(pid)
+    waiting = [t for t, f in found.items() if f == "running"]
+    if not waiting or time.monotonic() >= deadline:
+      return {t: (f"no dump within {wait_s:g} s" if f == "running" else f)
+              for t, f in found.items()}
+    time.sleep(_POLL_S)
+
+
+def report(found: Found, *, why: str, directory: str,
+           now: float | None = None) -> list[str]:
+  """The report's lines: at most 3 a task and 3 more."""
+  now = time.time() if now is None else now
+  dumps = {t: d for t, d in found.items() if isinstance(d, dict)}
+  places = {t: _place(d) for t, d in dumps.items()}
+  lead = max(places.values(), default=(0, 0))
+  behind, lines = [], []
+  for task in sorted(found, key=_order):
+    dump = found[task]
+    if not isinstance(dump, dict):
+      behind.append(f"{task} ({dump})")
+      lines.append(f"  {task}: no flight record: {dump}")
+      continue
+    step, done = places[task]
+    state = ""
+    if step < lead[0]:
+      gap = f"{lead[0] - step} step{'s' * (lead[0] - step > 1)}"
+      state = f", BEHIND by {gap}"
+      behind.append(f"{task} (by {gap}, at step {step})")
+    elif done < lead[1]:
+      state = f", BEHIND in step {step} by {lead[1] - done} collective(s)"
+      behind.append(f"{task} (in step {step})")
+    lines.append(f"  {task}: step {step}{state}; "
+                 f"{_describe(_last(dump), now)}")
+    lines.append(f"      at {dump.get('where') or 'no frame of user code'}")
+  head = (f"tfdist: stall report ({why}): behind: {', '.join(behind)}"
+          if behind else f"tfdist: stall report ({why}): no task is behind")
+  named = sorted(os.path.basename(d["stacks"]) for d in dumps.values()
+                 if d.get("stacks"))
+  tail = (f"  dumps (record .json, stacks .stacks.txt): {directory}"
+          if named else f"  no dump was written in {directory}")
+  return [head, *lines, tail]
+
+
+def _dumps(directory: str) -> dict[str, dict]:
+  found = {}
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return found
+  for name in names:
+    if not name.endswith(".json"):
+      continue
+    try:
+      with open(os.path.join(directory, name)) as f:
+        dump = json.load(f)
+    except (OSError, ValueError):
+      continue  # Being replaced: the next look reads it.
+    if isinstance(dump, dict) and "role" in dump:
+      found[dump["role"]] = dump
+  return found
+
+
+def _state(pid: int) -> str:
+  """``running``, or why a task that is no process that runs cannot dump."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      state = f.read().rpartition(")")[2].split()[0]
+  except (OSError, IndexError):
+    return "ended"
+  if state in ("T", "t"):
+    return "stopped (SIGSTOP or a debugger): it cannot answer"
+  if state in ("Z", "X"):
+    return "ended"
+  return "running"
+
+
+def _place(dump: dict) -> tuple[int, int]:
+  """(step, collectives entered in that step): who is further."""
+  step = int(dump.get("step") or 0)
+  return step, sum(1 for r in dump.get("records", ()) if r["step"] == step)
+
+
+def _last(dump: dict) -> dict | None:
+  records = dump.get("records") or ()
+  return max(records, key=lambda r: r["entered"]) if records else None
+
+
+def _describe(record: dict | None, now: float) -> str:
+  if record is None:
+    return "no collective yet"
+  what = f"{record['kind']} ({record['transport']}"
+  if record.get("bytes"):
+    what += f", {_size(record['bytes'])}"
+  what += f", {record['peers']})"
+  if record.get("left") is None:
+    return f"in {what} for {now - record['entered']:.1f} s"
+  ended = "failed" if record.get("failed") else "left"
+  return f"{ended} {what} {now - record['left']:.1f} s ago"
+
+
+def _size(nbytes: int) -> str:
+  for unit in ("B", "KiB", "MiB"):
+    if nbytes < 1024:
+      return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+    nbytes /= 1024
+  return f"{nbytes:.1f} GiB"
+
+
+def _order(task: str) -> tuple[str, int]:
+  kind, _, index = task.partition(":")
+  return (kind, int(index)) if index.isdigit() else (task, 0)
