@@ -68,6 +68,7 @@ from tfdist.errors import ConfigError
 from tfdist.launch import output
 from tfdist.launch import rendezvous
 from tfdist.launch import rounds
+from tfdist.launch import stopper
 from tfdist.launch.spec import LaunchSpec
 from tfdist.launch.spec import Prepared
 from tfdist.launch.spec import make_dirs
@@ -331,30 +332,20 @@ class Launcher:
     self._signal = self._signal or signum
     self._stopping.set()
     for t in self._tasks:
-      _signal_group(t.proc, signal.SIGKILL if again else _FORWARDED[signum])
+      stopper.signal_group(t.proc, signal.SIGKILL if again
+                          else _FORWARDED[signum])
 
   def _sleep(self, seconds: float) -> bool:
     """Sleeps ``seconds`` unless a signal comes; whether none came."""
     return not self._stopping.wait(seconds)
 
   def _stop_all(self) -> None:
-    """SIGTERM every live task (unless a forwarded signal already asked them
-    to stop), then SIGKILL what outlives the grace period."""
-    live = [t for t in self._tasks if t.proc.poll() is None]
-    if self._signal is None:
-      for t in live:
-        _signal_group(t.proc, signal.SIGTERM)
-    deadline = time.monotonic() + self._spec.grace_seconds
-    for t in live:
-      try:
-        t.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-      except subprocess.TimeoutExpired:
-        pass
+    """Stops every task (`stopper.stop`; a forwarded signal already asked
+    them), then lets their readers finish."""
+    stopper.stop([t.proc for t in self._tasks],
+                 grace_seconds=self._spec.grace_seconds,
+                 asked=self._signal is not None)
     for t in self._tasks:
-      if t.proc.poll() is None:
-        _signal_group(t.proc, signal.SIGKILL)
-        t.proc.wait(timeout=10)
-      _signal_group(t.proc, signal.SIGKILL)  # Stray grandchildren, if any.
       if t.reader.is_alive():
         t.reader.join(timeout=5)
       elif t.reader.ident is None:  # Never started: nothing to read.
@@ -414,13 +405,6 @@ def _die_with(parent: int) -> Callable[[], None] | None:
     if os.getppid() != parent:  # The launcher died before prctl.
       os.kill(os.getpid(), signal.SIGKILL)
   return preexec
-
-
-def _signal_group(proc: subprocess.Popen, signum: int) -> None:
-  try:
-    os.killpg(proc.pid, signum)  # The task's own session: only what we started.
-  except (ProcessLookupError, PermissionError):
-    pass
 
 
 def _load_libc() -> ctypes.CDLL | None:
