@@ -20,12 +20,14 @@ cluster comes from a rendezvous (`tfdist.launch.rendezvous`): on one node
    ``TFDIST_RESTART`` (0 on the first).
 
 Every task leads a process group (and session) of its own and dies with the
-launcher: SIGINT and SIGTERM are forwarded to every task, SIGHUP as SIGTERM,
-a second signal kills the tasks at once, and a parent-death signal (Linux
-``PR_SET_PDEATHSIG``) SIGKILLs every task when the launcher dies, even of
-SIGKILL (call `launch` from the main thread: the kernel sends that signal
+launcher: SIGINT, SIGTERM and SIGUSR1 are forwarded to every task, SIGHUP as
+SIGTERM, a second signal kills the tasks at once, and a parent-death signal
+(Linux ``PR_SET_PDEATHSIG``) SIGKILLs every task when the launcher dies, even
+of SIGKILL (call `launch` from the main thread: the kernel sends that signal
 when the thread that started the task ends). A launcher that got signal N
-leaves the job and exits ``128 + N``; a waiting one leaves at once.
+leaves the job and exits ``128 + N``, once its tasks ended saying in one line
+where its training tasks saved and which did not
+(`tfdist.launch.output.signalled_line`); a waiting one leaves at once.
 
 Every run gives its tasks one secret in ``TFDIST_JOB_SECRET``
 (`tfdist._net.JOB_SECRET_VARIABLE`), fresh unless given: the socket
@@ -77,10 +79,11 @@ from tfdist.launch.spec import preflight
 __all__ = ["Launcher", "launch"]
 
 _SOURCE = "LaunchSpec"
-#: The launcher's signal -> what its tasks get: SIGHUP (the terminal went
-#: away) asks them to save and stop, as SIGTERM does.
+#: The launcher's signal -> what its tasks get: SIGUSR1 (SLURM's
+#: ``--signal=USR1@N``) as it is, tfdist's tasks save on it as on SIGTERM;
+#: SIGHUP (the terminal went away) asks them to save and stop, as SIGTERM.
 _FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
-              signal.SIGHUP: signal.SIGTERM}
+              signal.SIGUSR1: signal.SIGUSR1, signal.SIGHUP: signal.SIGTERM}
 #: A task that could not be started -> the field to blame.
 _START_ERRORS = {errno.EMFILE: "num_workers", errno.ENFILE: "num_workers",
                  errno.EAGAIN: "num_workers", errno.ENOMEM: "num_workers"}
@@ -215,8 +218,14 @@ class Launcher:
     while True:
       if self._signal is not None:  # The tasks got it: this node leaves.
         self._stop_all()
+        if trainers:
+          self._console.signalled(
+              signal.Signals(self._signal).name,
+              [(t.role, t.proc.returncode, t.tail) for t in trainers])
         return _Outcome(128 + self._signal)
       message = member.poll(timeout=0.1)
+      if self._signal is not None:
+        continue  # It came meanwhile: said at the loop's top.
       if message is not None:
         kind = message["kind"]
         if kind == "finish":
@@ -358,8 +367,8 @@ def launch(spec: LaunchSpec, *, out: TextIO | None = None,
            resume: str = output.RESUME) -> int:
   """Runs every task of ``spec``; returns the launcher's exit code.
 
-  Call it from the main thread: it handles SIGINT, SIGTERM and SIGHUP, and
-  the tasks die when the thread that started them ends.
+  Call it from the main thread: it handles SIGINT, SIGTERM, SIGUSR1 and
+  SIGHUP, and the tasks die when the thread that started them ends.
 
   Args:
     spec: what to launch.
