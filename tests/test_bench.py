@@ -15,10 +15,12 @@ import uuid
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 import cluster_utils
 from tfdist.bench import allreduce
 from tfdist.bench import models
+from tfdist.bench import procs
 from tfdist.bench import report as report_lib
 from tfdist.bench import runner
 from tfdist.bench import scaling
@@ -313,6 +315,37 @@ class CheckOutputsTest(parameterized.TestCase):
     runner.check_outputs(plot_path="/on/the/chief/p.png", local=False)
     with self.assertRaises(ConfigError):
       runner.check_outputs(plot_path="/on/the/chief/p.txt", local=False)
+
+
+#: Ignores SIGTERM, and so does the child it starts in its process group.
+_STUBBORN = [sys.executable, "-c", (
+    "import signal, subprocess, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+    "time.sleep(60)\n")]
+_FAILS = [sys.executable, "-c", "import sys, time; time.sleep(1); sys.exit(3)"]
+
+
+@pytest.mark.timeout(60)
+class RunAllTest(parameterized.TestCase):
+  """The bench's processes end with their whole group (the launcher's
+  stopper): SIGTERM, then SIGKILL past the grace period."""
+
+  @parameterized.named_parameters(
+      ("past_its_time", [_STUBBORN], 2, "still running after 2 s; stopped"),
+      ("a_failure_stops_the_others", [_STUBBORN, _FAILS], 30,
+       "exited with 3"),
+  )
+  def test_nothing_is_left(self, commands, timeout_s, why):
+    mark = uuid.uuid4().hex
+    env = cluster_utils.base_env({"TFDIST_BENCH_TEST_MARK": mark})
+    with self.assertRaisesRegex(procs.BenchProcessError, why):
+      procs.run_all(commands, [env] * len(commands), timeout_s=timeout_s,
+                    what="test")
+    # SIGKILLed, a process leaves /proc within moments.
+    gone = cluster_utils.wait_until(lambda: not _marked(mark), 10)
+    self.assertTrue(gone, f"left behind: {_marked(mark)}")
 
 
 class BenchCliTest(absltest.TestCase):

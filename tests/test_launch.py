@@ -63,6 +63,11 @@ def _keras_bar():
   return _launch_as_a_user("keras_bar", workers=2)
 
 
+#: The last lines of a task that saved at step 7.
+_SAVED_AT_7 = ["WARNING:absl:tfdist: checkpoint saved at step 7; exiting "
+               "with code 42"]
+
+
 def _pids(output):
   return {int(p) for p in re.findall(r"pid=(\d+)", output)}
 
@@ -267,6 +272,8 @@ class LaunchTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("sigterm", signal.SIGTERM, signal.SIGTERM),
       ("sigint", signal.SIGINT, signal.SIGINT),
+      # SLURM's --signal=USR1@N: tfdist's tasks save on it as on SIGTERM.
+      ("sigusr1", signal.SIGUSR1, signal.SIGUSR1),
       # The terminal went away: the tasks are asked to save and stop.
       ("sighup", signal.SIGHUP, signal.SIGTERM),
   )
@@ -521,38 +528,117 @@ class PreemptedLineTest(parameterized.TestCase):
                                                   resume=resume), line)
 
 
-@pytest.mark.timeout(360)
-class PreemptedTaskTest(absltest.TestCase):
+class SignalledLineTest(parameterized.TestCase):
 
-  def test_one_line_exit_42_and_the_same_command_resumes(self):
-    """A task SIGTERMed by itself (a cloud VM's preemption) saves and exits
-    42: the launcher says so in one line and exits 42; the same command
-    then resumes after the saved step."""
+  @parameterized.named_parameters(
+      ("every_worker_saved", "SIGTERM", [("worker:0", 42, _SAVED_AT_7),
+                                         ("worker:1", 42, _SAVED_AT_7)],
+       "preempted (SIGTERM): every worker saved at step 7; run it again"),
+      ("one_worker", "SIGUSR1", [("worker:0", 42, _SAVED_AT_7)],
+       "preempted (SIGUSR1): worker:0 saved at step 7; run it again"),
+      ("the_directory_when_said", "SIGTERM", [
+          ("chief:0", 42, ["checkpoint saved at step 3 in /b; exiting"]),
+          ("worker:0", 42, ["checkpoint saved at step 3 in /b; exiting"])],
+       "preempted (SIGTERM): every worker saved at step 3 in /b; run it "
+       "again"),
+      ("ctrl_c", "SIGINT", [("worker:0", 130, _SAVED_AT_7),
+                            ("worker:1", 130, _SAVED_AT_7)],
+       "interrupted (SIGINT): every worker saved at step 7; run it again"),
+      ("one_killed_after_the_grace", "SIGTERM", [
+          ("worker:0", 42, _SAVED_AT_7), ("worker:1", -9, ["ready"])],
+       "preempted (SIGTERM): worker:0 saved at step 7; worker:1 did not "
+       "save (killed by signal 9); run it again"),
+      ("before_anything_to_save", "SIGTERM", [
+          ("worker:0", 42, ["tfdist: SIGTERM during cluster start-up: "
+                            "nothing to save yet; exiting with code 42"]),
+          ("worker:1", 42, ["tfdist: SIGTERM with nothing to save yet"])],
+       "preempted (SIGTERM): no worker saved (nothing to save yet); run it "
+       "again"),
+      ("a_program_that_saves_nothing", "SIGTERM", [
+          ("worker:0", -15, []), ("worker:1", 0, ["bye"])],
+       "preempted (SIGTERM): worker:0 did not save (killed by signal 15); "
+       "worker:1 did not save (exit code 0)"),
+      ("preempted_without_a_step", "SIGTERM", [("worker:0", 42, [])],
+       "preempted (SIGTERM): worker:0 saved; run it again"),
+  )
+  def test_the_line(self, name, tasks, line):
+    self.assertEqual(launch.output.signalled_line(name, tasks,
+                                                  resume="run it again"), line)
+
+
+@pytest.mark.timeout(120)
+class SignalledLauncherTest(parameterized.TestCase):
+  """The launcher itself is signalled: its tasks save, and it says so in
+  one line once they ended, naming a task that did not save."""
+
+  @parameterized.named_parameters(
+      ("sigterm", signal.SIGTERM, "none",
+       "preempted (SIGTERM): every worker saved at step 7"),
+      ("sigusr1", signal.SIGUSR1, "none",
+       "preempted (SIGUSR1): every worker saved at step 7"),
+      ("sigint", signal.SIGINT, "none",
+       "interrupted (SIGINT): every worker saved at step 7"),
+      ("a_worker_that_did_not_save", signal.SIGTERM, "worker:1",
+       "preempted (SIGTERM): worker:0 saved at step 7; worker:1 did not "
+       "save (killed by signal 9)"),
+  )
+  def test_one_line_after_the_tasks_end(self, signum, stubborn, line):
+    with _launcher("--workers", "2", "--grace-seconds", "2", "--",
+                   sys.executable, TASK, "saves", stubborn) as launcher:
+      pids = _wait_ready(self, launcher, 2)
+      launcher.signal(0, signum)
+      code = launcher.wait(0, 60)
+      out = launcher.stdout(0)
+    self.assertEqual(code, 128 + signum, out)
+    said = [l for l in out.splitlines() if l.startswith("tfdist: ")]
+    self.assertEqual(said, [f"tfdist: {line}; {launch.output.RESUME}"], out)
+    self.assertEqual(_kill_left(pids), [])
+
+
+@pytest.mark.timeout(420)
+class PreemptedTest(parameterized.TestCase):
+  """Whoever got SIGTERM, the launcher says in one line where the tasks
+  saved, and the same command resumes after the saved step."""
+
+  @parameterized.named_parameters(
+      # A cloud VM's preemption of one task: the launcher exits 42.
+      ("the_task", "default", 1, tfdist.PREEMPTED_EXIT_CODE,
+       r"worker:0 was preempted and saved at step (\d+)"),
+      # SLURM or Kubernetes stopping the launcher: both MultiWorkerMirrored
+      # workers agree on a step and save there; the launcher exits 143.
+      ("the_launcher", "multi_worker_mirrored", 2, 128 + signal.SIGTERM,
+       r"preempted \(SIGTERM\): every worker saved at step (\d+)"),
+  )
+  def test_one_line_and_the_same_command_resumes(self, strategy, workers,
+                                                 code, line):
     env = _user_env()
     with tempfile.TemporaryDirectory() as d:
-      command = ["--workers", "1", "--log-dir", os.path.join(d, "logs"), "--",
-                 sys.executable, os.path.join(cluster_utils.SCRIPTS,
-                                              "fault_job.py"),
-                 "default", "fit", os.path.join(d, "b"), "--sleep", "0.2"]
+      command = ["--workers", str(workers), "--log-dir",
+                 os.path.join(d, "logs"), "--", sys.executable,
+                 os.path.join(cluster_utils.SCRIPTS, "fault_job.py"),
+                 strategy, "fit", os.path.join(d, "b"), "--sleep", "0.2"]
       with cluster_utils.Tasks(commands=[LAUNCH + command], envs=[env],
                                cwd=cluster_utils.REPO,
                                merge_stderr=True) as launcher:
         launcher.wait_for(0, lambda l: l.strip() == "[worker:0] step 3", 240)
-        pid = int(next(l for l in launcher.lines(0)
-                       if l.startswith("[worker:0] pid ")).split()[-1])
-        os.kill(pid, signal.SIGTERM)  # The task alone, not the launcher.
-        code = launcher.wait(0, 120)
+        if code == tfdist.PREEMPTED_EXIT_CODE:  # The task alone.
+          os.kill(int(next(l for l in launcher.lines(0) if l.startswith(
+              "[worker:0] pid ")).split()[-1]), signal.SIGTERM)
+        else:
+          launcher.signal(0, signal.SIGTERM)
+        got = launcher.wait(0, 120)
         first = launcher.stdout(0)
-      self.assertEqual(code, tfdist.PREEMPTED_EXIT_CODE, first)
+      self.assertEqual(got, code, first)
       said = [l for l in first.splitlines() if l.startswith("tfdist: ")]
       self.assertLen(said, 1, first)
-      self.assertRegex(said[0], r"^tfdist: worker:0 was preempted and saved "
-                       r"at step (\d+); run the same command to resume$")
+      self.assertRegex(said[0], f"^tfdist: {line}; run the same command to "
+                       "resume$")
       step = int(re.search(r"at step (\d+)", said[0]).group(1))
       self.assertNotIn("last lines of its output", first)
       self.assertNotIn("All log messages before absl::InitializeLog()", first)
-      with open(os.path.join(d, "logs", "worker-0.log")) as f:
-        self.assertIn(f"checkpoint saved at step {step}", f.read())
+      for i in range(workers):
+        with open(os.path.join(d, "logs", f"worker-{i}.log")) as f:
+          self.assertIn(f"checkpoint saved at step {step}", f.read())
       again = _launch(*command[:-2], "--sleep", "0", env=env, timeout=240)
     self.assertEqual(again.returncode, 0, again.stdout + again.stderr)
     steps = [int(k) for k in re.findall(r"^\[worker:0\] step (\d+)$",

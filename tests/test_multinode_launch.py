@@ -11,6 +11,7 @@ import os
 import socket
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,27 @@ class TwoNodesTest(parameterized.TestCase):
     for out in outs:
       self.assertIn("restart=1", out)
       self.assertIn("restart 1 of 1", out)
+
+  def test_each_signalled_node_says_where_its_own_tasks_saved(self):
+    tasks, _ = _nodes([[], []], mode=["saves", "worker:1"],
+                      extra=["--grace-seconds", "2"])
+    with tasks:
+      for i in (0, 1):
+        tasks.wait_for(i, lambda line: line.endswith("] ready"), 60)
+      # As SLURM signals every node's launcher; node 1 first, so that it
+      # has its signal before node 0, which holds the rendezvous, leaves.
+      tasks.signal(1, signal.SIGTERM)
+      tasks.signal(0, signal.SIGTERM)
+      codes = tasks.wait_all(BOUND_S)
+      outs = [tasks.stdout(0), tasks.stdout(1)]
+    self.assertEqual(codes, [128 + signal.SIGTERM] * 2, outs)
+    said = [[l for l in out.splitlines() if l.startswith("tfdist: ")]
+            for out in outs]
+    self.assertEqual(said, [
+        ["tfdist: preempted (SIGTERM): worker:0 saved at step 7; run the "
+         "same command to resume"],
+        ["tfdist: preempted (SIGTERM): worker:1 did not save (killed by "
+         "signal 9)"]], outs)
 
   def test_gpus_placed_per_task_and_none_for_ps(self):
     tasks, _ = _nodes([["--chief", "--ps", "1", "--workers", "1"],

@@ -28,6 +28,7 @@ from absl.testing import parameterized
 import pytest
 
 from tfdist import _net
+from tfdist import _secret
 from tfdist.launch import rendezvous
 
 import cluster_utils
@@ -209,7 +210,7 @@ class FloodTest(parameterized.TestCase):
     # Its connections without proof stay under a quarter of its limit; 64
     # more cover the launcher's own (the tfdist launch spare).
     self.assertLessEqual(
-        peak[0], min(rendezvous.MAX_UNPROVEN, (files or own) // 4) + 64)
+        peak[0], min(_secret.MAX_UNPROVEN, (files or own) // 4) + 64)
     self.assertIn("turned away a connection from 127.0.0.1", out[0])
 
 
@@ -248,7 +249,7 @@ class StrangerTest(absltest.TestCase):
       held = stalls.running_since(start)
     self.assertTrue(closed, "the master still holds the slow connection")
     self.assertGreaterEqual(sent, 2)  # Each byte came well within 5 s.
-    self.assertLess(held, rendezvous._HANDSHAKE_SECONDS + 3)
+    self.assertLess(held, _secret.HELLO_SECONDS + 3)
 
   def test_the_master_accepts_again_after_running_out_of_descriptors(self):
     # A master whose process has no descriptor left fails accept() with

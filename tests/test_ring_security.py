@@ -21,8 +21,8 @@ import pytest
 
 import stalls
 import tfdist
+from tfdist import _secret
 from tfdist import perf
-from tfdist.ring import auth
 from tfdist.ring import connection
 from tfdist.ring import exchange
 from tfdist.ring import socket_ring
@@ -74,7 +74,7 @@ def _until_closed(sock, timeout=15):
 
 def _stranger_hello(rank=1, size=2, signed=True):
   return wire_lib.hello(wire_lib.ring_token(KEY), rank, size,
-                        nonce=auth.nonce(), signed=signed)
+                        nonce=_secret.nonce(), signed=signed)
 
 
 class Strangers:
@@ -135,8 +135,8 @@ class StrangerTest(parameterized.TestCase):
       s.sendall(hello)
 
       def go_on():
-        answer = s.recv(wire_lib.HELLO_SIZE + auth.MAC_SIZE)
-        s.sendall(auth.mac(b"a guess", auth.DIAL, KEY, hello,
+        answer = s.recv(wire_lib.HELLO_SIZE + _secret.MAC_SIZE)
+        s.sendall(_secret.mac(b"a guess", _secret.DIAL, KEY, hello,
                            answer[:wire_lib.HELLO_SIZE])
                   + wire_lib.header(0, 5000, "float32", 0)
                   + np.full(5000, 1e6, np.float32).tobytes()[:4000])
@@ -162,11 +162,11 @@ class StrangerTest(parameterized.TestCase):
         a, _ = self.listener.accept()
         b = socket.create_connection(("127.0.0.1", port))
         head = b""
-        while len(head) < wire_lib.HELLO_SIZE + auth.MAC_SIZE:
+        while len(head) < wire_lib.HELLO_SIZE + _secret.MAC_SIZE:
           if len(head) == wire_lib.HELLO_SIZE:
-            b_answer = b.recv(wire_lib.HELLO_SIZE + auth.MAC_SIZE)
+            b_answer = b.recv(wire_lib.HELLO_SIZE + _secret.MAC_SIZE)
             a.sendall(b_answer)
-          chunk = a.recv(wire_lib.HELLO_SIZE + auth.MAC_SIZE - len(head))
+          chunk = a.recv(wire_lib.HELLO_SIZE + _secret.MAC_SIZE - len(head))
           if not chunk:
             return
           head += chunk
@@ -194,7 +194,7 @@ class StrangerTest(parameterized.TestCase):
         strangers.background(lambda: replies.append(_until_closed(s)))
 
     self._run(on_port)
-    self.assertLen(replies[0], wire_lib.HELLO_SIZE + auth.MAC_SIZE)
+    self.assertLen(replies[0], wire_lib.HELLO_SIZE + _secret.MAC_SIZE)
 
   @parameterized.named_parameters(
       ("silent", b""),
@@ -258,7 +258,7 @@ class StrangerTest(parameterized.TestCase):
     flooded = threading.Event()
 
     def flood(strangers, port):
-      for _ in range(connection._PENDING_MAX + 20):
+      for _ in range(_secret.most_unproven() + 20):
         strangers.connect(port)
       flooded.set()
 
@@ -333,7 +333,7 @@ class TamperTest(parameterized.TestCase):
       ("values_threaded", 1000, "failed its authentication", 0))
   def test_altered_message_fails_the_call_and_is_never_returned(
       self, offset, why, threaded):
-    start = wire_lib.HELLO_SIZE + auth.MAC_SIZE  # After the dialer's hello.
+    start = wire_lib.HELLO_SIZE + _secret.MAC_SIZE  # After the dialer's hello.
     results = self._tampered(start + offset, authenticate_values=True,
                              threaded_bytes=threaded, doubling_bytes=0)
     for got in results:  # No sum returned anywhere.
@@ -348,7 +348,7 @@ class TamperTest(parameterized.TestCase):
     # One exchange each way: worker:0, which received the altered bytes,
     # fails; worker:1 received worker:0's bytes untouched, so it may return
     # the true sum before it learns, never one computed from altered bytes.
-    start = wire_lib.HELLO_SIZE + auth.MAC_SIZE
+    start = wire_lib.HELLO_SIZE + _secret.MAC_SIZE
     first, second = self._tampered(start + offset, authenticate_values=True,
                                    doubling_bytes=1 << 20)
     self.assertIsInstance(first, tfdist.TfdistError, first)

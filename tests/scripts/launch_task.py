@@ -9,8 +9,12 @@ Prints its role and pid first. Modes:
   die N       worker 1 kills itself with signal N after 2 s, others sleep
   serve       chief exits 0 after 2 s (the others have printed their line by
               then); ps and workers sleep (servers)
-  trap DIR    on SIGTERM, SIGINT or SIGHUP write the signal's number to
-              DIR/<role> and exit 0; sleep meanwhile
+  trap DIR    on SIGTERM, SIGINT, SIGUSR1 or SIGHUP write the signal's
+              number to DIR/<role> and exit 0; sleep meanwhile
+  saves R     print "ready"; on SIGTERM, SIGUSR1 or SIGINT print the line
+              tfdist's tasks print after saving (at step 7) and exit as
+              they do (42, or 130 for SIGINT); the task of role R ignores
+              those signals instead (R "none": no task)
   flaky [K]   exit 5 on the first K runs (TFDIST_RESTART < K; K is 1 by
               default), else 0; prints when it started
   stubborn    ignore SIGTERM and SIGINT, print "ready" and sleep
@@ -114,8 +118,18 @@ if mode == "trap":
     with open(os.path.join(sys.argv[2], role), "w") as f:
       f.write(str(signum))
     sys.exit(0)
-  for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+  for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
     signal.signal(s, on_signal)
+  print("ready", flush=True)
+  sleep_forever()
+if mode == "saves":
+  def on_signal(signum, frame):
+    code = 130 if signum == signal.SIGINT else 42
+    print(f"WARNING:absl:tfdist: checkpoint saved at step 7; exiting with "
+          f"code {code}", flush=True)
+    sys.exit(code)
+  for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+    signal.signal(s, signal.SIG_IGN if role == sys.argv[2] else on_signal)
   print("ready", flush=True)
   sleep_forever()
 if mode == "stubborn":

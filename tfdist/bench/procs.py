@@ -1,16 +1,15 @@
 """Bounded subprocesses for the bench: every one is ours, timed and reaped.
 
-Each process starts in its own session; on a deadline (or any error) its whole
-process group gets SIGTERM, then SIGKILL after a short grace, by PID. Nothing
-the bench starts outlives the call that started it.
+Each process starts in its own session; on a deadline (or any error) the
+launcher's stopper (`tfdist.launch.stopper`) stops its whole process group:
+SIGTERM, then SIGKILL after a short grace. Nothing the bench starts outlives
+the call that started it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import Mapping, Sequence
 
 from tfdist import _net
 from tfdist.errors import TfdistError
+from tfdist.launch import stopper
 
 __all__ = ["BenchProcessError", "Finished", "run_all", "worker_env",
            "tf_configs", "json_lines", "python_module"]
@@ -92,34 +92,10 @@ def run_all(commands: Sequence[Sequence[str]],
             f"bench {what}: still running after {timeout_s:.0f} s; stopped")
     return results
   finally:
-    _stop(procs)
-
-
-def _stop(procs: Sequence[subprocess.Popen]) -> None:
-  live = [p for p in procs if p.poll() is None]
-  for p in live:
-    _killpg(p.pid, signal.SIGTERM)
-  deadline = time.monotonic() + _GRACE_S
-  for p in live:
-    try:
-      p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      pass
-  for p in procs:
-    if p.poll() is None:
-      _killpg(p.pid, signal.SIGKILL)
-      try:
-        p.communicate(timeout=10)
-      except (subprocess.TimeoutExpired, ValueError):
-        pass
-    _killpg(p.pid, signal.SIGKILL)  # Stray grandchildren in its session.
-
-
-def _killpg(pid: int, signum: int) -> None:
-  try:
-    os.killpg(pid, signum)  # The session we started it in: only ours.
-  except (ProcessLookupError, PermissionError):
-    pass
+    stopper.stop(procs, grace_seconds=_GRACE_S)
+    for p in procs:
+      p.stdout.close()
+      p.stderr.close()
 
 
 def json_lines(text: str) -> list[dict]:

@@ -7,6 +7,7 @@
 | `rounds`     | who trains, round by round: the decisions (`Rounds`), and one node's rendezvous (`Solo`) |
 | `rendezvous` | node 0's server and each node's member: `Rounds` over the network, proven by the job secret |
 | `output`     | the tasks' prefixed output, progress bars and failure tails |
+| `stopper`    | stopping each process with its whole group (the bench's too) |
 | `sbatch`     | an sbatch script that starts the tasks with ``srun`` (``tfdist slurm``) |
 
 Nothing here imports `tfdist.strategy`, `tfdist.training` or TensorFlow: a

@@ -20,12 +20,14 @@ cluster comes from a rendezvous (`tfdist.launch.rendezvous`): on one node
    ``TFDIST_RESTART`` (0 on the first).
 
 Every task leads a process group (and session) of its own and dies with the
-launcher: SIGINT and SIGTERM are forwarded to every task, SIGHUP as SIGTERM,
-a second signal kills the tasks at once, and a parent-death signal (Linux
-``PR_SET_PDEATHSIG``) SIGKILLs every task when the launcher dies, even of
-SIGKILL (call `launch` from the main thread: the kernel sends that signal
+launcher: SIGINT, SIGTERM and SIGUSR1 are forwarded to every task, SIGHUP as
+SIGTERM, a second signal kills the tasks at once, and a parent-death signal
+(Linux ``PR_SET_PDEATHSIG``) SIGKILLs every task when the launcher dies, even
+of SIGKILL (call `launch` from the main thread: the kernel sends that signal
 when the thread that started the task ends). A launcher that got signal N
-leaves the job and exits ``128 + N``; a waiting one leaves at once.
+leaves the job and exits ``128 + N``, once its tasks ended saying in one line
+where its training tasks saved and which did not
+(`tfdist.launch.output.signalled_line`); a waiting one leaves at once.
 
 Every run gives its tasks one secret in ``TFDIST_JOB_SECRET``
 (`tfdist._net.JOB_SECRET_VARIABLE`), fresh unless given: the socket
@@ -68,6 +70,7 @@ from tfdist.errors import ConfigError
 from tfdist.launch import output
 from tfdist.launch import rendezvous
 from tfdist.launch import rounds
+from tfdist.launch import stopper
 from tfdist.launch.spec import LaunchSpec
 from tfdist.launch.spec import Prepared
 from tfdist.launch.spec import make_dirs
@@ -76,10 +79,11 @@ from tfdist.launch.spec import preflight
 __all__ = ["Launcher", "launch"]
 
 _SOURCE = "LaunchSpec"
-#: The launcher's signal -> what its tasks get: SIGHUP (the terminal went
-#: away) asks them to save and stop, as SIGTERM does.
+#: The launcher's signal -> what its tasks get: SIGUSR1 (SLURM's
+#: ``--signal=USR1@N``) as it is, tfdist's tasks save on it as on SIGTERM;
+#: SIGHUP (the terminal went away) asks them to save and stop, as SIGTERM.
 _FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
-              signal.SIGHUP: signal.SIGTERM}
+              signal.SIGUSR1: signal.SIGUSR1, signal.SIGHUP: signal.SIGTERM}
 #: A task that could not be started -> the field to blame.
 _START_ERRORS = {errno.EMFILE: "num_workers", errno.ENFILE: "num_workers",
                  errno.EAGAIN: "num_workers", errno.ENOMEM: "num_workers"}
@@ -214,8 +218,14 @@ class Launcher:
     while True:
       if self._signal is not None:  # The tasks got it: this node leaves.
         self._stop_all()
+        if trainers:
+          self._console.signalled(
+              signal.Signals(self._signal).name,
+              [(t.role, t.proc.returncode, t.tail) for t in trainers])
         return _Outcome(128 + self._signal)
       message = member.poll(timeout=0.1)
+      if self._signal is not None:
+        continue  # It came meanwhile: said at the loop's top.
       if message is not None:
         kind = message["kind"]
         if kind == "finish":
@@ -331,30 +341,20 @@ class Launcher:
     self._signal = self._signal or signum
     self._stopping.set()
     for t in self._tasks:
-      _signal_group(t.proc, signal.SIGKILL if again else _FORWARDED[signum])
+      stopper.signal_group(t.proc, signal.SIGKILL if again
+                          else _FORWARDED[signum])
 
   def _sleep(self, seconds: float) -> bool:
     """Sleeps ``seconds`` unless a signal comes; whether none came."""
     return not self._stopping.wait(seconds)
 
   def _stop_all(self) -> None:
-    """SIGTERM every live task (unless a forwarded signal already asked them
-    to stop), then SIGKILL what outlives the grace period."""
-    live = [t for t in self._tasks if t.proc.poll() is None]
-    if self._signal is None:
-      for t in live:
-        _signal_group(t.proc, signal.SIGTERM)
-    deadline = time.monotonic() + self._spec.grace_seconds
-    for t in live:
-      try:
-        t.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-      except subprocess.TimeoutExpired:
-        pass
+    """Stops every task (`stopper.stop`; a forwarded signal already asked
+    them), then lets their readers finish."""
+    stopper.stop([t.proc for t in self._tasks],
+                 grace_seconds=self._spec.grace_seconds,
+                 asked=self._signal is not None)
     for t in self._tasks:
-      if t.proc.poll() is None:
-        _signal_group(t.proc, signal.SIGKILL)
-        t.proc.wait(timeout=10)
-      _signal_group(t.proc, signal.SIGKILL)  # Stray grandchildren, if any.
       if t.reader.is_alive():
         t.reader.join(timeout=5)
       elif t.reader.ident is None:  # Never started: nothing to read.
@@ -367,8 +367,8 @@ def launch(spec: LaunchSpec, *, out: TextIO | None = None,
            resume: str = output.RESUME) -> int:
   """Runs every task of ``spec``; returns the launcher's exit code.
 
-  Call it from the main thread: it handles SIGINT, SIGTERM and SIGHUP, and
-  the tasks die when the thread that started them ends.
+  Call it from the main thread: it handles SIGINT, SIGTERM, SIGUSR1 and
+  SIGHUP, and the tasks die when the thread that started them ends.
 
   Args:
     spec: what to launch.
@@ -414,13 +414,6 @@ def _die_with(parent: int) -> Callable[[], None] | None:
     if os.getppid() != parent:  # The launcher died before prctl.
       os.kill(os.getpid(), signal.SIGKILL)
   return preexec
-
-
-def _signal_group(proc: subprocess.Popen, signum: int) -> None:
-  try:
-    os.killpg(proc.pid, signum)  # The task's own session: only what we started.
-  except (ProcessLookupError, PermissionError):
-    pass
 
 
 def _load_libc() -> ctypes.CDLL | None:

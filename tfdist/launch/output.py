@@ -16,9 +16,10 @@ import re
 import threading
 from typing import BinaryIO, Sequence, TextIO
 
+from tfdist.errors import INTERRUPTED_EXIT_CODE
 from tfdist.errors import PREEMPTED_EXIT_CODE
 
-__all__ = ["Console", "TAIL_LINES", "preempted_line"]
+__all__ = ["Console", "TAIL_LINES", "preempted_line", "signalled_line"]
 
 #: The lines of a failed task's output that the launcher repeats.
 TAIL_LINES = 20
@@ -34,8 +35,9 @@ _NOISE = re.compile(
 #: How to resume after a preemption, said by `tfdist launch`.
 RESUME = "run the same command to resume"
 #: What a task that stopped on a preemption signal printed last
-#: (`tfdist.training.preemption`, `tfdist.strategy.startup`).
-_SAVED = re.compile(r"checkpoint saved at step (\d+)")
+#: (`tfdist.training.preemption`, `tfdist.strategy.startup`): the step and,
+#: when the line names it, the directory.
+_SAVED = re.compile(r"checkpoint saved at step (\d+)(?: in (.+?))?(?:;|$)")
 _NOTHING_SAVED = re.compile(r"nothing (?:saved|to save)")
 #: How a task's own one-line error starts (e.g. `tfdist.DiskFullError`).
 _ONE_LINE = "tfdist: "
@@ -100,6 +102,13 @@ class Console:
     lines += [f"  | {line}" for line in tail] or ["  | (no output)"]
     self.say("\n".join(lines))
 
+  def signalled(self, signal_name: str,
+                tasks: Sequence[tuple[str, int | None, Sequence[str]]]
+                ) -> None:
+    """Says how the training ``tasks`` ended after the launcher got
+    ``signal_name`` (`signalled_line`)."""
+    self.say(signalled_line(signal_name, tasks, resume=self._resume))
+
   def _pump(self, role, stream, tail, log) -> None:
     """Copies a task's output; a carriage return ends a redrawn line."""
     pending = b""
@@ -159,6 +168,17 @@ class Console:
       self._drawing = None
 
 
+def _saved(tail: Sequence[str]) -> str | None:
+  """``at step N`` (``in DIR`` when said) from a task's last lines, ``""``
+  when they say it saved nothing, else ``None``."""
+  text = "\n".join(tail)
+  saved = _SAVED.findall(text)
+  if saved:
+    step, where = saved[-1]
+    return f"at step {step}" + (f" in {where}" if where else "")
+  return "" if _NOTHING_SAVED.search(text) else None
+
+
 def preempted_line(role: str, tail: Sequence[str], *,
                    resume: str | None) -> str:
   """One line for a task that exited `PREEMPTED_EXIT_CODE`, with the step
@@ -169,12 +189,60 @@ def preempted_line(role: str, tail: Sequence[str], *,
     ...                resume="run the same command to resume")
     'worker:0 was preempted and saved at step 6; run the same command to resume'
   """
-  text = "\n".join(tail)
-  saved = _SAVED.findall(text)
+  saved = _saved(tail)
   if saved:
-    line = f"{role} was preempted and saved at step {saved[-1]}"
-  elif _NOTHING_SAVED.search(text):
+    line = f"{role} was preempted and saved {saved}"
+  elif saved == "":
     line = f"{role} was preempted before it could save"
   else:
     line = f"{role} was preempted and saved"
   return line + (f"; {resume}" if resume else "")
+
+
+def signalled_line(signal_name: str,
+                   tasks: Sequence[tuple[str, int | None, Sequence[str]]], *,
+                   resume: str) -> str:
+  """One line for a launcher that got ``signal_name``, once its training
+  tasks ended: where they saved, naming each that did not.
+
+  Args:
+    signal_name: e.g. ``"SIGTERM"``.
+    tasks: each training task's role, return code (``None``: still
+      running) and last lines.
+    resume: how to resume, said when a task stopped as tfdist's do.
+
+  Example:
+    >>> signalled_line("SIGTERM", [
+    ...     ("worker:0", 42, ["checkpoint saved at step 16; exiting"]),
+    ...     ("worker:1", 42, ["checkpoint saved at step 16; exiting"])],
+    ...     resume="run the same command to resume")
+    'preempted (SIGTERM): every worker saved at step 16; run the same command to resume'
+  """
+  stopped = (PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE)
+  groups: dict[tuple[bool, str], list[str]] = {}
+  for role, code, tail in tasks:
+    saved = _saved(tail) if code in stopped else None
+    if saved:
+      outcome = (True, f"saved {saved}")
+    elif code in stopped:
+      outcome = ((True, "saved") if saved is None
+                 else (False, "nothing to save yet"))
+    elif code is None:
+      outcome = (False, "still running")
+    else:
+      outcome = (False, f"killed by signal {-code}" if code < 0
+                 else f"exit code {code}")
+    groups.setdefault(outcome, []).append(role)
+  parts = []
+  for (saved, what), roles in groups.items():
+    every = len(groups) == 1 and len(roles) > 1
+    if saved:
+      parts.append(f"{'every worker' if every else ', '.join(roles)} {what}")
+    elif every:
+      parts.append(f"no worker saved ({what})")
+    else:
+      parts.append(f"{', '.join(roles)} did not save ({what})")
+  if any(code in stopped for _, code, _ in tasks):
+    parts.append(resume)
+  how = "interrupted" if signal_name == "SIGINT" else "preempted"
+  return f"{how} ({signal_name}): " + "; ".join(parts)

@@ -4,22 +4,18 @@
 also runs a `Master` on ``--master-addr:--master-port`` (it listens on that
 address only); every launcher, node 0's included, joins it as a `Member`:
 
-1. **Proof of membership.** The member dials, sends a fresh nonce ``D``; the
-   master answers with its own nonce ``A`` and ``mac(secret, ACCEPT, D, A)``;
-   the member checks it and sends ``mac(secret, DIAL, D, A)``
-   (`tfdist._secret`). Each side's proof covers the other's fresh nonce, so a
-   recording does not pass twice. Every later message is length-prefixed
-   JSON followed by an HMAC-SHA256 tag under the connection's own key
-   (``mac(secret, VALUES, D, A)``) and the message's sequence number in its
-   direction: a message that was altered, replayed, reordered or sent by
-   anyone without the secret ends that connection. A connection that fails
-   the proof is dropped and logged once; the job goes on. One thread runs
-   every proof in flight (a selector, not a thread per connection), each
-   under one deadline for its whole hello, proof and join message
-   (`_HANDSHAKE_SECONDS`), at most `MAX_UNPROVEN` at once: a newcomer beyond
-   that drops the oldest. An ``accept()`` that fails (no descriptors left)
-   is tried again after a pause. So strangers, however many and however
-   slow, hold no connection for long and cannot stop the master.
+1. **Proof of membership.** The member dials and both prove the job's
+   secret through the job's one gate (`tfdist._secret.Gate`, which the
+   socket ring uses too): challenge and response with fresh nonces both
+   ways. Every later message is length-prefixed JSON followed by an
+   HMAC-SHA256 tag under the connection's own key and the message's
+   sequence number in its direction: a message that was altered, replayed,
+   reordered or sent by anyone without the secret ends that connection. A
+   connection that fails the proof is dropped and logged once; the job
+   goes on. The gate's limits hold: one deadline for the whole hello and
+   proof, which the join message keeps to as well, and a cap on the
+   connections without proof, so strangers, however many and however slow,
+   hold no connection for long and cannot stop the master.
 2. **Join.** Each member sends its node rank, the address the others should
    dial it at, and its tasks (chief, workers, ps, evaluator) with ports it
    picked free on its own host.
@@ -60,14 +56,10 @@ here.
 
 from __future__ import annotations
 
-import errno
 import hmac
 import json
 import math
-import os
 import queue
-import resource
-import selectors
 import socket
 import struct
 import sys
@@ -81,7 +73,7 @@ from tfdist.launch.rounds import RendezvousError
 from tfdist.launch.rounds import Rounds
 
 __all__ = ["Master", "Member", "RendezvousError", "HEARTBEAT_SECONDS",
-           "SILENCE_SECONDS", "MAX_MESSAGE_BYTES", "MAX_UNPROVEN"]
+           "SILENCE_SECONDS", "MAX_MESSAGE_BYTES"]
 
 #: How often each side says it is alive.
 HEARTBEAT_SECONDS = 1.0
@@ -89,20 +81,11 @@ HEARTBEAT_SECONDS = 1.0
 SILENCE_SECONDS = 10.0
 #: The largest message accepted (a cluster of thousands of tasks fits).
 MAX_MESSAGE_BYTES = 1 << 20
-#: The bound on a whole proof of membership and join message.
-_HANDSHAKE_SECONDS = 5.0
-#: Connections the master holds before they prove the secret; a newcomer
-#: beyond it drops the oldest. A member proves itself within a round trip of
-#: being accepted, so it gets in unless more than this many strangers are
-#: accepted in that time. At most a quarter of the open-file limit.
-MAX_UNPROVEN = 512
-#: Newcomers the master accepts between two rounds of the proofs in flight.
-_ACCEPTS_PER_ROUND = 64
-#: How long the master waits to accept again after ``accept()`` failed.
-_ACCEPT_PAUSE_SECONDS = 0.1
 #: How often every wait looks at its stop event (and the master at close).
 _STEP_SECONDS = 0.2
 _HELLO = b"TFDR"
+#: How long a member waits to dial again after a failed try.
+_REDIAL_SECONDS = 0.5
 #: How long a closing master waits for its members to say goodbye.
 _CLOSE_SECONDS = 2.0
 _CONTEXT = "tfdist-rendezvous"
@@ -161,117 +144,30 @@ class _Channel:
       pass
 
 
-def _read(sock: socket.socket, n: int, deadline: float,
-          stop: threading.Event | None = None) -> bytes:
+def _read(sock: socket.socket, n: int, deadline: float) -> bytes:
   """``n`` bytes, all by monotonic ``deadline`` (not a timeout per byte);
-  ``TimeoutError`` when late or once ``stop`` is set."""
+  ``TimeoutError`` when late."""
   data = bytearray()
   while len(data) < n:
     left = deadline - time.monotonic()
-    if left <= 0 or (stop is not None and stop.is_set()):
+    if left <= 0:
       raise TimeoutError(f"{len(data)} of {n} bytes in time")
-    sock.settimeout(left if stop is None else min(left, _STEP_SECONDS))
-    try:
-      chunk = sock.recv(n - len(data))
-    except TimeoutError:
-      continue
+    sock.settimeout(left)
+    chunk = sock.recv(n - len(data))
     if not chunk:
       raise OSError("the connection closed")
     data += chunk
   return bytes(data)
 
 
-class _Refused(OSError):
-  """The master failed its proof: it does not hold this job's secret."""
-
-
-def _dial_proof(sock: socket.socket, secret: bytes,
-                stop: threading.Event) -> _Channel:
-  """The member's side of the proof of membership."""
-  deadline = time.monotonic() + _HANDSHAKE_SECONDS
-  mine = _secret.nonce()
-  sock.settimeout(_HANDSHAKE_SECONDS)
-  sock.sendall(_HELLO + mine)
-  answer = _read(sock, _secret.NONCE_SIZE + _secret.MAC_SIZE, deadline, stop)
-  theirs, proof = answer[:_secret.NONCE_SIZE], answer[_secret.NONCE_SIZE:]
-  if not hmac.compare_digest(
-      proof, _secret.mac(secret, _secret.ACCEPT, _CONTEXT, mine, theirs)):
-    raise _Refused("the master did not prove it holds this job's secret")
-  sock.sendall(_secret.mac(secret, _secret.DIAL, _CONTEXT, mine, theirs))
-  return _Channel(sock, _secret.mac(secret, _secret.VALUES, _CONTEXT, mine,
-                                    theirs), dialer=True)
-
-
-def _connect(address: tuple[str, int], deadline: float,
-             stop: threading.Event) -> socket.socket:
-  """A socket connected to ``address`` by ``deadline``, dialed without
-  blocking so that ``stop`` ends the wait; ``OSError`` otherwise."""
-  family, kind, proto, _, where = socket.getaddrinfo(
-      *address, type=socket.SOCK_STREAM)[0]
-  sock = socket.socket(family, kind, proto)
-  try:
-    sock.setblocking(False)
-    code = sock.connect_ex(where)
-    with selectors.DefaultSelector() as waiting:
-      waiting.register(sock, selectors.EVENT_WRITE)
-      while code in (errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN):
-        left = deadline - time.monotonic()
-        if left <= 0 or stop.is_set():
-          raise TimeoutError("no answer to the connection in time")
-        if waiting.select(min(left, _STEP_SECONDS)):
-          code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-    if code:
-      raise OSError(code, os.strerror(code))
-  except BaseException:
-    sock.close()
-    raise
-  sock.setblocking(True)
-  return sock
-
-
-class _Unproven:
-  """A connection the master holds until it proves the secret."""
-
-  __slots__ = ("sock", "peer", "deadline", "data", "nonces")
-
-  def __init__(self, sock: socket.socket, peer: str):
-    self.sock, self.peer = sock, peer
-    self.deadline = time.monotonic() + _HANDSHAKE_SECONDS
-    self.data = bytearray()
-    self.nonces: tuple[bytes, bytes] | None = None  # Theirs, mine.
-
-
-def _accept_step(hello: _Unproven, secret: bytes) -> _Channel | None:
-  """The master's side of the proof of membership, one readable socket at a
-  time without blocking: its channel once proven, else ``None``; raises
-  ``OSError`` when it fails."""
-  need = (len(_HELLO) + _secret.NONCE_SIZE if hello.nonces is None
-          else _secret.MAC_SIZE)
-  try:
-    chunk = hello.sock.recv(need - len(hello.data))
-  except BlockingIOError:
-    return None
-  if not chunk:
-    raise OSError("the connection closed")
-  hello.data += chunk
-  if len(hello.data) < need:
-    return None
-  data, hello.data = bytes(hello.data), bytearray()
-  if hello.nonces is None:
-    if data[:len(_HELLO)] != _HELLO:
-      raise OSError("not a tfdist rendezvous hello")
-    theirs, mine = data[len(_HELLO):], _secret.nonce()
-    answer = mine + _secret.mac(secret, _secret.ACCEPT, _CONTEXT, theirs, mine)
-    if hello.sock.send(answer) != len(answer):  # A fresh socket takes it.
-      raise OSError("it did not take the answer")
-    hello.nonces = theirs, mine
-    return None
-  theirs, mine = hello.nonces
-  if not hmac.compare_digest(
-      data, _secret.mac(secret, _secret.DIAL, _CONTEXT, theirs, mine)):
-    raise OSError("it did not prove it holds this job's secret")
-  return _Channel(hello.sock, _secret.mac(secret, _secret.VALUES, _CONTEXT,
-                                          theirs, mine), dialer=False)
+def _terms(secret: bytes) -> _secret.Terms:
+  """The rendezvous's hellos: `_HELLO` and a fresh nonce, each way."""
+  return _secret.Terms(
+      secret=secret, context=_CONTEXT,
+      hello_size=len(_HELLO) + _secret.NONCE_SIZE,
+      hello=lambda: _HELLO + _secret.nonce(),
+      foreign=lambda hello, dialed: None if hello.startswith(_HELLO)
+      else "sent no tfdist rendezvous hello")
 
 
 class Master:
@@ -300,7 +196,6 @@ class Master:
                           max_restarts=max_restarts, timeout=timeout,
                           last_call=last_call)
     self._nnodes = nnodes
-    self._secret = secret
     self._log = log or sys.stderr
     self._lock = threading.Lock()
     self._members: dict[int, _Channel] = {}
@@ -310,20 +205,18 @@ class Master:
     self._threads: list[threading.Thread] = []
     self._beaten = 0.0  # When the last heartbeat went out.
     self._closed = threading.Event()
-    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    self._most_unproven = (MAX_UNPROVEN if files == resource.RLIM_INFINITY
-                           else max(1, min(MAX_UNPROVEN, files // 4)))
     family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
     self._listener = socket.socket(family, socket.SOCK_STREAM)
     self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
       self._listener.bind(address)
       self._listener.listen(1024)
-      self._listener.setblocking(False)
     except OSError:
       self._listener.close()
       raise
-    self._gate_thread = threading.Thread(target=self._gate, daemon=True,
+    self._gate = _secret.Gate(_terms(secret), listener=self._listener,
+                              dropped=self._turned_away)
+    self._gate_thread = threading.Thread(target=self._admit, daemon=True,
                                          name="tfdist-rendezvous-gate")
     self._gate_thread.start()
     for target in (self._heartbeats, self._sender):
@@ -355,79 +248,27 @@ class Master:
     for channel in members:
       channel.close()
 
-  def _gate(self) -> None:
-    """Accepts connections and runs their proofs, oldest first in
-    ``pending`` (by descriptor); a proven one goes on in `_serve`."""
-    pending: dict[int, _Unproven] = {}
-    selector = selectors.DefaultSelector()
-    resume, listening = 0.0, False
+  def _admit(self) -> None:
+    """Runs the gate; a proven connection goes on in `_serve`."""
     try:
       while not self._closed.is_set():
-        now = time.monotonic()
-        while pending and next(iter(pending.values())).deadline <= now:
-          self._drop(selector, pending, next(iter(pending)),
-                     f"no proof within {_HANDSHAKE_SECONDS:g} s")
-        if not listening and now >= resume:
-          selector.register(self._listener, selectors.EVENT_READ)
-          listening = True
-        elif listening and now < resume:
-          selector.unregister(self._listener)
-          listening = False
-        ready = [key.fd for key, _ in selector.select(_STEP_SECONDS)]
-        for fd in ready:  # Proofs first: accepting may drop the oldest.
-          hello = pending.get(fd)
-          if hello is None:
-            continue
-          try:
-            channel = _accept_step(hello, self._secret)
-          except OSError as e:
-            self._drop(selector, pending, fd, str(e))
-            continue
-          if channel is not None:
-            selector.unregister(pending.pop(fd).sock)
-            hello.sock.setblocking(True)
-            thread = threading.Thread(
-                target=self._serve, args=(channel, hello.peer, hello.deadline),
-                daemon=True, name="tfdist-rendezvous-member")
-            with self._lock:
-              self._threads.append(thread)
-            thread.start()
-        if self._listener.fileno() in ready:
-          resume = self._accept(selector, pending)
+        for proven in self._gate.poll(_STEP_SECONDS):
+          channel = _Channel(proven.sock, proven.key, dialer=False)
+          thread = threading.Thread(
+              target=self._serve, args=(channel, proven.peer, proven.expires),
+              daemon=True, name="tfdist-rendezvous-member")
+          with self._lock:
+            self._threads.append(thread)
+          thread.start()
     finally:
-      for hello in pending.values():
-        hello.sock.close()
-      selector.close()
+      self._gate.close()
       self._listener.close()
 
-  def _accept(self, selector: selectors.BaseSelector,
-              pending: dict[int, _Unproven]) -> float:
-    """Takes newcomers; returns when to accept again (``accept()`` failed:
-    no descriptors left, say; the loop goes on after a pause)."""
-    for _ in range(_ACCEPTS_PER_ROUND):
-      try:
-        sock, peer = self._listener.accept()
-      except BlockingIOError:
-        break
-      except OSError as e:
-        self._say_once(f"accept {e.errno}", f"accept() failed ({e}); trying "
-                       f"again every {_ACCEPT_PAUSE_SECONDS:g} s")
-        return time.monotonic() + _ACCEPT_PAUSE_SECONDS
-      if len(pending) >= self._most_unproven:
-        self._drop(selector, pending, next(iter(pending)),
-                   f"more than {self._most_unproven} connections without "
-                   "proof: dropped the oldest")
-      sock.setblocking(False)
-      pending[sock.fileno()] = _Unproven(sock, peer[0])
-      selector.register(sock, selectors.EVENT_READ)
-    return 0.0
-
-  def _drop(self, selector: selectors.BaseSelector,
-            pending: dict[int, _Unproven], fd: int, why: str) -> None:
-    hello = pending.pop(fd)
-    selector.unregister(hello.sock)
-    hello.sock.close()
-    self._stranger(hello.peer, why)
+  def _turned_away(self, hello: _secret.Hello | None, why: str) -> None:
+    if hello is None:  # accept() failed.
+      self._say_once(why, why)
+    else:
+      self._stranger(hello.peer, f"it {why}")
 
   def _say_once(self, key: str, text: str) -> None:
     with self._lock:
@@ -555,44 +396,61 @@ class Member:
                say=None):
     self._rank = rank
     self._timeout = timeout
-    self._stop = stop = stop or threading.Event()
+    self._stop = stop or threading.Event()
     self._say = say or (lambda text: print(f"tfdist: {text}", flush=True))
     self._inbox: queue.Queue = queue.Queue()
-    where = f"{master[0]}:{master[1]}"
-    deadline = time.monotonic() + timeout
-    while True:  # Dial until proven: a flood may drop a connection.
-      self._check_stop()
-      try:
-        sock = _connect(master, deadline, stop)
-      except OSError as e:
-        error = e
-      else:
-        try:
-          self._channel = _dial_proof(sock, secret, stop)
-          break
-        except _Refused as e:
-          sock.close()
-          raise RendezvousError(
-              f"the rendezvous at {where} refused this node: {e}; every "
-              "node needs the same job secret") from None
-        except OSError as e:
-          sock.close()
-          error = e
-      self._check_stop()
-      if time.monotonic() > deadline:
-        raise RendezvousError(
-            f"could not reach the rendezvous at {where} within {timeout:g} s "
-            f"({error}); is node 0's launcher running, and "
-            "--master-addr/--master-port the same on every node?") from None
-      stop.wait(0.5)
+    proven = self._dial(master, secret, timeout)
+    self._channel = _Channel(proven.sock, proven.key, dialer=True)
     #: The address the master sees this node at.
-    self.local_address = sock.getsockname()[0]
+    self.local_address = proven.sock.getsockname()[0]
     self._last = time.monotonic()
     self._alive = True
     threading.Thread(target=self._read, daemon=True,
                      name="tfdist-rendezvous-reader").start()
     threading.Thread(target=self._beat, daemon=True,
                      name="tfdist-rendezvous-beat").start()
+
+  def _dial(self, master: tuple[str, int], secret: bytes,
+            timeout: float) -> _secret.Proven:
+    """A connection to the master, both sides proven, within ``timeout``.
+
+    Dials again after a failed try (a flood may drop a connection), not
+    after a refusal: a master without this job's secret.
+    """
+    where = f"{master[0]}:{master[1]}"
+    deadline = time.monotonic() + timeout
+    failed: list[tuple[_secret.Hello, str]] = []
+    gate = _secret.Gate(_terms(secret),
+                        dropped=lambda hello, why: failed.append((hello, why)))
+    why, again = "no answer", 0.0
+    try:
+      while True:
+        self._check_stop()
+        now = time.monotonic()
+        if now > deadline:
+          raise RendezvousError(
+              f"could not reach the rendezvous at {where} within "
+              f"{timeout:g} s (last try: {why}); is node 0's launcher "
+              "running, and --master-addr/--master-port the same on every "
+              "node?")
+        if not gate.dialing and now >= again:
+          try:
+            family, _, _, _, address = socket.getaddrinfo(
+                *master, type=socket.SOCK_STREAM)[0]
+            gate.dial(family, address, where)
+          except OSError as e:
+            why, again = str(e), now + _REDIAL_SECONDS
+        for proven in gate.poll(_STEP_SECONDS):
+          return proven
+        for hello, what in failed:
+          if hello.refused:
+            raise RendezvousError(
+                f"the rendezvous at {where} refused this node: it {what}; "
+                "every node needs the same job secret")
+          why, again = what, time.monotonic() + _REDIAL_SECONDS
+        failed.clear()
+    finally:
+      gate.close()
 
   def join(self, *, attempt: int, host: str, jobs: Mapping[str, int],
            evaluator: bool, ports: Sequence[int]) -> dict:

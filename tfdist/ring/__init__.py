@@ -9,7 +9,7 @@ One module per seam, each testable alone:
 * `pieces`: a list of arrays read as their concatenation, never made (a
   model's gradients, summed as one buffer without packing them);
 * `wire`: what crosses the sockets: hellos, call headers, encoded values;
-* `auth`: the job secret's challenge and response, and values' tags;
+* `auth`: values' tags (who joins: the job's gate, `tfdist._secret`);
 * `connection`: the ring's members, listening and the hello exchange;
 * `exchange`: one step's blocks moved both ways over non-blocking sockets;
 * `socket_ring`: `SocketRing`, composing them.

@@ -1,32 +1,21 @@
-"""Who may join a ring, and values nobody altered on the way.
+"""Values nobody altered on the way (``authenticate_values=True``).
 
-**Members** prove they hold the job's secret (`tfdist._net.job_secret`, or
-``SocketRing(secret=...)``) by challenge and response, HMAC-SHA256, on every
-connection (`tfdist.ring.connection` runs it):
+Who may join a ring is the job's gate's (`tfdist._secret`): every connection
+proves the job's secret (`tfdist._net.job_secret`, or
+``SocketRing(secret=...)``) and yields its own key. Without a secret the same
+handshake runs with an empty key: it checks the ring, ranks and order, but
+proves nothing, and the ring logs once that it is unauthenticated.
 
-1. the dialer sends its hello with a fresh nonce, ``D``;
-2. the acceptor answers with its own hello and fresh nonce, ``A``, and
-   ``mac(secret, "accept", key, D, A)``;
-3. the dialer checks that and sends ``mac(secret, "dial", key, D, A)``.
-
-Each side's MAC covers the other side's fresh nonce, so a recorded hello or
-answer does not pass twice; the role labels keep one side's MAC from serving
-as the other's; ``key`` (the ring's) keeps one ring's from another's. Both
-derive the connection's own key, ``mac(secret, "values", key, D, A)``.
-
-**Values** (``authenticate_values=True``): every step of a call ends with an
+With ``authenticate_values=True`` every step of a call ends with an
 HMAC-SHA256 tag, under the connection's key and the step's number, of
 everything sent in it (header and values); the receiver checks it before
 anything computed from the step is sent on or returned.
 
-Without a secret the same handshake runs with an empty key: it checks the
-ring, ranks and order as before, but proves nothing, and the ring logs once
-that it is unauthenticated.
-
 Example::
 
-  d = wire.hello(token, 1, 2, nonce=auth.nonce(), signed=True)
-  tag = auth.mac(secret, auth.ACCEPT, key, d, a)
+  sealer = Sealer(send_key=pair.right_key, recv_key=pair.left_key,
+                  left_rank=members.left)
+  sends, recvs = sealer.seal(sends, recvs)
 """
 
 from __future__ import annotations
@@ -34,12 +23,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from tfdist._secret import ACCEPT, DIAL, VALUES, MAC_SIZE, NONCE_SIZE  # pylint: disable=unused-import
-from tfdist._secret import mac, nonce  # pylint: disable=unused-import
+from tfdist._secret import MAC_SIZE
 from tfdist.ring import exchange
 
-__all__ = ["ACCEPT", "DIAL", "VALUES", "MAC_SIZE", "NONCE_SIZE", "nonce",
-           "mac", "Sealer"]
+__all__ = ["Sealer"]
+
 
 class Sealer:
   """Tags each step's bytes to the right and checks the left's tags.

@@ -5,16 +5,16 @@ when that address is not one of this host's, and it logs so), on a port the
 operating system picks or the first free one of a range
 (``ports``, or `RING_PORTS_VARIABLE`), publishes it under ``key/rank``
 through a `Rendezvous`, connects to its right neighbour and accepts its left
-one. Hellos go each way with the challenge and response of
-`tfdist.ring.auth`, so only holders of the job's secret join.
+one, through the job's one gate (`tfdist._secret.Gate`): each hello carries
+the ring's token, both ranks and a fresh nonce, and only holders of the
+job's secret join.
 
 One loop over non-blocking sockets serves the dial and every incoming
 connection at once: a stranger (a scanner, random bytes, a half or replayed
 hello, a wrong secret, a flood of connections) is dropped without holding up
-the real neighbour; at most `_PENDING_MAX` unproven connections are kept, each
-for at most `_PENDING_S`. Every wait is bounded by one deadline; a neighbour
-that misses it is named in a `StartupTimeoutError`, with why connections were
-dropped meanwhile.
+the real neighbour, within the gate's limits. Every wait is bounded by one
+deadline; a neighbour that misses it is named in a `StartupTimeoutError`,
+with why connections were dropped meanwhile.
 
 Example::
 
@@ -32,10 +32,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
-import hmac
 import os
 import re
-import selectors
 import socket
 import time
 from typing import Mapping, Protocol
@@ -43,9 +41,9 @@ from typing import Mapping, Protocol
 from absl import logging
 
 from tfdist import _net
+from tfdist import _secret
 from tfdist.errors import ConfigError
 from tfdist.errors import StartupTimeoutError
-from tfdist.ring import auth
 from tfdist.ring import wire
 
 __all__ = ["RING_PORTS_VARIABLE", "Rendezvous", "Members", "Neighbours",
@@ -55,8 +53,6 @@ __all__ = ["RING_PORTS_VARIABLE", "Rendezvous", "Members", "Neighbours",
 #: ``20000-20100`` (any port the OS picks when unset).
 RING_PORTS_VARIABLE = "TFDIST_RING_PORTS"
 
-_PENDING_MAX = 64  # Unproven connections kept at once; the oldest goes first.
-_PENDING_S = 10.0  # A connection that does not finish its hello in this long.
 _RETRY_S = 0.2  # Between dials of a neighbour that refused or dropped one.
 _TICK_S = 0.2  # Longest wait in select() and in one rendezvous lookup.
 
@@ -176,7 +172,7 @@ def _bind(family: int, address: tuple, ports: range | None, *,
   for port in ports or (0,):
     try:
       return socket.create_server((address[0], port) + tuple(address[2:]),
-                                  family=family, backlog=_PENDING_MAX,
+                                  family=family, backlog=_secret.MAX_UNPROVEN,
                                   dualstack_ipv6=dualstack)
     except OSError as e:
       if e.errno == errno.EADDRNOTAVAIL:
@@ -237,7 +233,7 @@ def listen(members: Members, *, ports: range | None = None,
 
 @dataclasses.dataclass(frozen=True)
 class Neighbours:
-  """A joined ring's two connections and their keys (`tfdist.ring.auth`).
+  """A joined ring's two connections and their keys (`tfdist._secret`).
 
   Attributes:
     left: the blocking socket from the left neighbour.
@@ -285,21 +281,9 @@ def handshake(listener: socket.socket, members: Members, *,
     listener.close()
 
 
-@dataclasses.dataclass(eq=False)
-class _Conn:
-  """One connection during its hello."""
-  sock: socket.socket
-  dialed: bool
-  expires: float
-  connecting: bool = False
-  mine: bytes = b""  # The hello this side sent.
-  theirs: bytes = b""  # The hello the other side sent.
-  data: bytearray = dataclasses.field(default_factory=bytearray)
-  need: int = wire.HELLO_SIZE
-
-
 class _Join:
-  """One `handshake`: a loop over non-blocking sockets, bounded by its deadline."""
+  """One `handshake`: `tfdist._secret.Gate`'s loop and this ring's dial,
+  bounded by one deadline."""
 
   def __init__(self, *, members: Members, rendezvous: Rendezvous, key: str,
                deadline: float, timeout_s: float, secret: bytes | None):
@@ -309,22 +293,22 @@ class _Join:
     self._token = wire.ring_token(key)
     self._deadline = deadline
     self._timeout_s = timeout_s
-    self._secret = secret or b""
     self._signed = secret is not None
-    self._selector = selectors.DefaultSelector()
-    self._pending: dict[socket.socket, _Conn] = {}  # Oldest first.
+    self._terms = _secret.Terms(secret=secret or b"", context=key,
+                                hello_size=wire.HELLO_SIZE, hello=self._hello,
+                                foreign=self._foreign)
+    self._gate: _secret.Gate | None = None
     self._dropped: collections.Counter[str] = collections.Counter()
     self._port: int | None = None
     self._address: tuple | None = None
-    self._dialing: _Conn | None = None
     self._next_dial = 0.0
     self._left: tuple[socket.socket, bytes] | None = None
     self._right: tuple[socket.socket, bytes] | None = None
 
   def run(self, listener: socket.socket) -> Neighbours:
     members = self._members
-    listener.setblocking(False)
-    self._selector.register(listener, selectors.EVENT_READ)
+    self._gate = gate = _secret.Gate(self._terms, listener=listener,
+                                     dropped=self._drop)
     self._rendezvous.publish(f"{self._key}/{members.rank}",
                              str(listener.getsockname()[1]))
     while self._left is None or self._right is None:
@@ -332,38 +316,34 @@ class _Join:
       if now >= self._deadline:
         raise self._late()
       wait = min(_TICK_S, self._deadline - now)
-      if self._right is None and self._dialing is None:
+      if self._right is None and not gate.dialing:
         if self._port is None:
           self._find_port(wait)
           wait = 0.0
         elif now >= self._next_dial:
-          self._dial(now)
+          gate.dial(*self._address, members.describe(members.right))
         else:
           wait = min(wait, self._next_dial - now)
-      for selected, events in self._selector.select(max(0.0, wait)):
-        if selected.fileobj is listener:
-          self._accept(listener)
-        elif selected.fileobj in self._pending:
-          self._serve(self._pending[selected.fileobj], events)
-      now = time.monotonic()
-      for conn in [c for c in self._pending.values() if now > c.expires]:
-        self._drop(conn, f"{self._name(conn)} did not finish its hello in "
-                   f"{_PENDING_S:.0f} s")
+      for proven in gate.poll(wait):
+        pair = (proven.sock, proven.key)
+        if proven.dialed:
+          self._right = pair
+        elif self._left is None:
+          self._left = pair
+        else:
+          proven.sock.close()  # A second proven left: keep the first.
     (left, left_key), (right, right_key) = self._left, self._right
-    for s in (left, right):
-      s.setblocking(True)
     return Neighbours(left=left, right=right, left_key=left_key,
                       right_key=right_key)
 
   def close(self) -> None:
     """Closes every connection not handed out (all of them on failure)."""
-    for conn in list(self._pending.values()):
-      self._drop(conn, None)
+    if self._gate is not None:
+      self._gate.close()
     if self._left is None or self._right is None:
       for pair in (self._left, self._right):
         if pair is not None:
           pair[0].close()
-    self._selector.close()
 
   def _late(self) -> StartupTimeoutError:
     members = self._members
@@ -384,23 +364,14 @@ class _Join:
         "first line 'tfdist: gradients cross by the socket ring' says how)?"
         + (f" Dropped meanwhile: {dropped}." if dropped else ""))
 
-  def _name(self, conn: _Conn) -> str:
-    if conn.dialed:
-      return self._members.describe(self._members.right)
-    return "a connection"
-
-  def _drop(self, conn: _Conn, why: str | None) -> None:
-    """Closes ``conn``, counting ``why``; a dial is tried again soon."""
-    self._pending.pop(conn.sock, None)
-    try:
-      self._selector.unregister(conn.sock)
-    except (KeyError, ValueError):
-      pass
-    conn.sock.close()
-    if why:
+  def _drop(self, hello: _secret.Hello | None, why: str) -> None:
+    """Counts why a connection was dropped; a dial is tried again soon."""
+    if hello is None:
       self._dropped[why] += 1
-    if conn is self._dialing:
-      self._dialing = None
+      return
+    who = hello.peer if hello.dialed else f"a connection from {hello.peer}"
+    self._dropped[f"{who} {why}"] += 1
+    if hello.dialed:
       self._next_dial = time.monotonic() + _RETRY_S
 
   def _find_port(self, wait: float) -> None:
@@ -416,137 +387,22 @@ class _Join:
       raise _bad_host(self._members, rank, e) from None
     self._port, self._address = port, (info[0], info[4])
 
-  def _dial(self, now: float) -> None:
-    family, address = self._address
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setblocking(False)
-    if sock.connect_ex(address) not in (0, errno.EINPROGRESS):
-      sock.close()  # Refused or unreachable for now: again soon.
-      self._next_dial = now + _RETRY_S
-      return
-    conn = _Conn(sock=sock, dialed=True, connecting=True,
-                 expires=now + _PENDING_S,
-                 need=wire.HELLO_SIZE + auth.MAC_SIZE)
-    self._dialing = self._pending[sock] = conn
-    self._selector.register(sock, selectors.EVENT_WRITE)
-
-  def _accept(self, listener: socket.socket) -> None:
-    try:
-      sock, _ = listener.accept()
-    except OSError:  # Gone before accepted, or out of descriptors for now.
-      return
-    sock.setblocking(False)
-    unproven = [c for c in self._pending.values() if not c.dialed]
-    if len(unproven) >= _PENDING_MAX:
-      # The oldest without a right hello first: a neighbour's sends at once.
-      silent = [c for c in unproven if not c.theirs] or unproven
-      self._drop(silent[0], f"more than {_PENDING_MAX} connections at once")
-    self._pending[sock] = _Conn(sock=sock, dialed=False,
-                                expires=time.monotonic() + _PENDING_S)
-    self._selector.register(sock, selectors.EVENT_READ)
-
   def _hello(self) -> bytes:
     return wire.hello(self._token, self._members.rank, self._members.size,
-                      nonce=auth.nonce(), signed=self._signed)
+                      nonce=_secret.nonce(), signed=self._signed)
 
-  def _serve(self, conn: _Conn, events: int) -> None:
-    """Moves ``conn``'s hello on by what ``events`` allow."""
-    sock = conn.sock
-    if conn.connecting:
-      if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-        self._drop(conn, None)  # Refused: the neighbour is not up yet.
-        return
-      conn.connecting, conn.mine = False, self._hello()
-      if not self._send(conn, conn.mine):
-        return
-      self._selector.modify(sock, selectors.EVENT_READ)
-      return
-    try:
-      chunk = sock.recv(conn.need - len(conn.data))
-    except BlockingIOError:
-      return
-    except OSError:
-      chunk = b""
-    if not chunk:
-      self._drop(conn, f"{self._name(conn)} closed it during the hello")
-      return
-    conn.data += chunk
-    if len(conn.data) < conn.need:
-      return
-    data, conn.data = bytes(conn.data), bytearray()
-    if conn.dialed:
-      self._answered(conn, data)
-    elif not conn.theirs:
-      self._greeted(conn, data)
-    else:
-      self._proved(conn, data)
-
-  def _send(self, conn: _Conn, data: bytes) -> bool:
-    try:
-      if conn.sock.send(data) == len(data):  # Small, into an empty buffer.
-        return True
-    except OSError:
-      pass
-    self._drop(conn, f"{self._name(conn)} failed during the hello")
-    return False
-
-  def _foreign(self, fields: wire.Hello | None, rank: int) -> str | None:
-    """Why a hello is not ``rank``'s of this ring, or ``None``."""
+  def _foreign(self, hello: bytes, dialed: bool) -> str | None:
+    """Why ``hello`` is not its neighbour's of this ring, or ``None``."""
     members = self._members
+    rank = members.right if dialed else members.left
+    fields = wire.parse_hello(hello)
     if (fields is None or fields.token != self._token
         or fields.size != members.size or fields.rank != rank):
-      return (f"a hello that is not {members.names[rank]}'s of this ring "
-              "(another program, or another ring)")
+      return (f"sent a hello that is not {members.names[rank]}'s of this "
+              "ring (another program, or another ring)")
     if fields.signed != self._signed:
-      has = "has" if fields.signed else "has no"
+      has = "has a" if fields.signed else "has no"
       mine = "has none" if fields.signed else "has one"
-      return (f"{members.describe(rank)} {has} job secret and this worker "
-              f"{mine}: set {_net.JOB_SECRET_VARIABLE} alike on every worker")
+      return (f"{has} job secret and this worker {mine}: set "
+              f"{_net.JOB_SECRET_VARIABLE} alike on every worker")
     return None
-
-  def _mac(self, role: bytes, dial: bytes, accept: bytes) -> bytes:
-    return auth.mac(self._secret, role, self._key, dial, accept)
-
-  def _greeted(self, conn: _Conn, data: bytes) -> None:
-    """The acceptor's side: a dialer's hello came; answer with a MAC."""
-    why = self._foreign(wire.parse_hello(data), self._members.left)
-    if why:
-      self._drop(conn, why)
-      return
-    conn.theirs, conn.mine, conn.need = data, self._hello(), auth.MAC_SIZE
-    self._send(conn, conn.mine + self._mac(auth.ACCEPT, data, conn.mine))
-
-  def _proved(self, conn: _Conn, proof: bytes) -> None:
-    """The acceptor's side: the dialer's MAC came; keep it if it is right."""
-    if not hmac.compare_digest(proof, self._mac(auth.DIAL, conn.theirs,
-                                                conn.mine)):
-      self._drop(conn, f"a connection claiming to be "
-                 f"{self._members.describe(self._members.left)} without "
-                 "the job's secret (a wrong secret, or a replayed hello)")
-      return
-    self._hand_out(conn)
-    if self._left is not None:
-      conn.sock.close()  # A second proven left: keep the first.
-      return
-    self._left = (conn.sock, self._mac(auth.VALUES, conn.theirs, conn.mine))
-
-  def _answered(self, conn: _Conn, data: bytes) -> None:
-    """The dialer's side: the acceptor's hello and MAC came; prove ours."""
-    answer, tag = data[:wire.HELLO_SIZE], data[wire.HELLO_SIZE:]
-    why = self._foreign(wire.parse_hello(answer), self._members.right)
-    if why is None and not hmac.compare_digest(
-        tag, self._mac(auth.ACCEPT, conn.mine, answer)):
-      why = (f"{self._name(conn)} answered without the job's secret (a "
-             "wrong secret)")
-    if why:
-      self._drop(conn, why)
-      return
-    if not self._send(conn, self._mac(auth.DIAL, conn.mine, answer)):
-      return
-    self._hand_out(conn)
-    self._dialing = None
-    self._right = (conn.sock, self._mac(auth.VALUES, conn.mine, answer))
-
-  def _hand_out(self, conn: _Conn) -> None:
-    self._pending.pop(conn.sock, None)
-    self._selector.unregister(conn.sock)

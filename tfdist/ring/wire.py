@@ -3,7 +3,7 @@
 * **Hello** (magic ``TFDH``, ring token, rank, size, whether the sender
   holds a secret, a fresh nonce; 33 bytes): sent each way when neighbours
   connect, the acceptor's followed by a MAC, then the dialer's MAC
-  (`tfdist.ring.auth`). The ring token is the CRC-32 of the ring's
+  (`tfdist._secret`). The ring token is the CRC-32 of the ring's
   key, so a connection from another ring, or from anything else, does not
   match and is dropped.
 * **Header** (magic ``TFDC``, call number, length, wire dtype code, tag; 28
