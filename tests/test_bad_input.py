@@ -167,6 +167,8 @@ class LaunchSpecTest(parameterized.TestCase):
       ("grace_nan", dict(grace_seconds=float("nan")), "grace_seconds"),
       ("grace_years", dict(grace_seconds=1e9), "grace_seconds"),
       ("grace_string", dict(grace_seconds="10"), "grace_seconds"),
+      ("stall_negative", dict(stall_seconds=-5), "stall_seconds"),
+      ("stall_string", dict(stall_seconds="30"), "stall_seconds"),
       ("restart_delay_negative", dict(restart_delay_seconds=-1),
        "restart_delay_seconds"),
       ("restart_delay_nan", dict(restart_delay_seconds=float("nan")),
@@ -321,6 +323,13 @@ class CliTest(parameterized.TestCase):
       ("launch_restart_delay_nan", ["launch", "--restart-delay-seconds", "nan",
                                     "--", PY, "-c", "pass"], None,
        "--restart-delay-seconds"),
+      ("launch_stall_negative", ["launch", "--stall-seconds", "-1", "--", PY,
+                                 "-c", "pass"], None, "--stall-seconds"),
+      ("launch_stall_not_a_number", ["launch", "--stall-seconds", "soon",
+                                     "--", PY, "-c", "pass"], None,
+       "--stall-seconds"),
+      ("launch_stall_nan", ["launch", "--stall-seconds", "nan", "--", PY,
+                            "-c", "pass"], None, "--stall-seconds"),
       ("slurm_nodes_huge", ["slurm", "--nodes", "1000000000000", "--",
                             "python", "t.py"], None, "nodes"),
       ("slurm_cpus_per_task_huge", ["slurm", "--cpus-per-task", "70000", "--",
@@ -448,7 +457,7 @@ def _argv(flags):
 _LAUNCH_FLAGS = ["--workers", "--ps", "--chief", "--evaluator", "--host",
                  "--port-base", "--log-dir", "--max-restarts",
                  "--restart-delay-seconds", "--grace-seconds", "--nnodes",
-                 "--node-rank", "--last-call-seconds"]
+                 "--node-rank", "--last-call-seconds", "--stall-seconds"]
 _SLURM_FLAGS = ["--preset", "--job-name", "--nodes", "--tasks-per-node",
                 "--gpus-per-node", "--cpus-per-task", "--time", "--partition",
                 "--roles", "--signal-seconds", "--requeue", "--no-requeue"]

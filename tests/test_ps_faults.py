@@ -293,6 +293,11 @@ class ErrorMappingTest(parameterized.TestCase):
        "(0) UNAVAILABLE:  failed to connect to all addresses"),
       ("one_line", "Socket closed", "Socket closed"),
       ("only_generic", "Graph execution error:", "Graph execution error:"),
+      ("traced_node",
+       "Graph execution error:\n\nDetected at node CollectiveReduceV2 defined "
+       "at (most recent call last):\n  File \"train.py\", line 3, in <module>"
+       "\n\nCollective has timed out during execution.",
+       "Collective has timed out during execution."),
       ("empty", "", "no message"),
   )
   def test_summary_skips_generic_lines(self, message, expected):

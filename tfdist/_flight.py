@@ -64,8 +64,10 @@ _COLLECTIVE_FAILURES = frozenset({
 # A record: [step, kind, bytes, transport, peers, entered, left, failed];
 # times from time.time(), so the launcher can compare processes.
 _STEP, _KIND, _BYTES, _TRANSPORT, _PEERS, _ENTERED, _LEFT, _FAILED = range(8)
-_GENERIC_LINE = re.compile(r"^(graph execution error:|\d+ root error\(s\) "
-                           r"found\.)$", re.IGNORECASE)
+_GENERIC_LINE = re.compile(
+    r"^(graph execution error:|\d+ root error\(s\) found\."
+    r"|detected at node .* defined at \(most recent call last\):"
+    r"|file \".*\", line \d+.*)$", re.IGNORECASE)
 _FIELDS = ("step", "kind", "bytes", "transport", "peers", "entered", "left",
            "failed")
 
@@ -198,6 +200,7 @@ def dump(reason: str, *, request: int = 0) -> str | None:
     stem = os.path.join(directory, dump_name(found["role"]))
     found["stacks"] = stem + ".stacks.txt"
     try:
+      os.makedirs(directory, exist_ok=True)
       with open(found["stacks"], "w") as f:
         faulthandler.dump_traceback(f, all_threads=True)
       with open(stem + ".json.tmp", "w") as f:

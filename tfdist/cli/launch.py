@@ -77,6 +77,13 @@ _FLAGS: _args.FlagTable = {
         help="a file (mode 600) holding the job's shared secret, when "
              "TFDIST_JOB_SECRET is not set; a multi-node launch needs one, "
              "the same on every node")),
+    "stall_seconds": ("--stall-seconds", dict(
+        type=float, metavar="S",
+        help="print the stall report (each task's step, its last collective, "
+             "who is behind, the line each one is on) when a task saw no "
+             "step for S seconds; it is printed anyway on a collective's "
+             "timeout, a lost peer, or SIGUSR2 (kill -USR2 LAUNCHER_PID). "
+             "Default 0: no stall watch")),
     "gpus_per_task": ("--gpus-per-task", dict(
         type=int, metavar="K",
         help="GPUs for each chief, worker and evaluator task of this node "

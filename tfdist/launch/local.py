@@ -70,6 +70,7 @@ from tfdist.errors import ConfigError
 from tfdist.launch import output
 from tfdist.launch import rendezvous
 from tfdist.launch import rounds
+from tfdist.launch import stall
 from tfdist.launch import stopper
 from tfdist.launch.spec import LaunchSpec
 from tfdist.launch.spec import Prepared
@@ -134,11 +135,13 @@ class Launcher:
     self._tasks: list[_Task] = []
     self._signal: int | None = None
     self._stopping = threading.Event()  # Set with _signal: waits end.
+    self._flight: stall.Flight | None = None
 
   def run(self) -> int:
     spec = self._spec
     prepared = preflight(spec)
     handlers = {s: signal.signal(s, self._on_signal) for s in _FORWARDED}
+    handlers[stall.SIGNAL] = signal.signal(stall.SIGNAL, self._on_report)
     master = member = None
     try:
       if spec.nnodes == 1:
@@ -159,6 +162,9 @@ class Launcher:
             say=self._console.say)
         host = spec.host or member.local_address
       make_dirs(spec.log_dir)
+      self._flight = stall.Flight(
+          log_dir=spec.log_dir, stall_seconds=spec.stall_seconds,
+          say=self._console.say, source=_SOURCE)
       attempt, delay = 0, 0.0
       while True:
         placed = member.join(attempt=attempt, host=host, jobs=spec.jobs,
@@ -183,6 +189,8 @@ class Launcher:
       return e.code if self._signal is None else 128 + self._signal
     finally:
       self._stop_all()
+      if self._flight is not None:
+        self._flight.close()
       if member is not None:
         member.close()
       if master is not None:
@@ -226,6 +234,7 @@ class Launcher:
       message = member.poll(timeout=0.1)
       if self._signal is not None:
         continue  # It came meanwhile: said at the loop's top.
+      self._flight.watch(self._pids(), self._tails())
       if message is not None:
         kind = message["kind"]
         if kind == "finish":
@@ -254,6 +263,7 @@ class Launcher:
           self._console.failure(
               t.role, code, t.tail,
               restarting=attempt < self._spec.max_restarts)
+          self._flight.failed(t.role, code, self._pids(), self._tails())
           self._stop_all()
           break
       if not failed and not done and trainers and all(
@@ -293,7 +303,8 @@ class Launcher:
     # TensorFlow's C++ chatter, unless the user asked for a level: level 2,
     # and the start-up lines that ignore it dropped from the console.
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env.update(TFDIST_RESTART=str(attempt), PYTHONUNBUFFERED="1")
+    env.update(TFDIST_RESTART=str(attempt), PYTHONUNBUFFERED="1",
+               **self._flight.env(attempt))
     if len(configs) > 1 and _INTRA_OP not in env:
       env[_INTRA_OP] = str(max(1, _cores() // len(configs)))
     paths = [os.path.join(self._spec.log_dir,
@@ -343,6 +354,18 @@ class Launcher:
     for t in self._tasks:
       stopper.signal_group(t.proc, signal.SIGKILL if again
                           else _FORWARDED[signum])
+
+  def _on_report(self, signum, frame) -> None:
+    """SIGUSR2: the stall report, made by the round's loop."""
+    del signum, frame
+    if self._flight is not None:
+      self._flight.asked = True
+
+  def _pids(self) -> dict[str, int]:
+    return {t.role: t.proc.pid for t in self._tasks}
+
+  def _tails(self) -> dict[str, list[str]]:
+    return {t.role: list(t.tail) for t in self._tasks}
 
   def _sleep(self, seconds: float) -> bool:
     """Sleeps ``seconds`` unless a signal comes; whether none came."""

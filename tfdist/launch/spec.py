@@ -89,6 +89,9 @@ class LaunchSpec:
     gpus_per_task: GPUs for each chief, worker and evaluator task of this
       node (in ``CUDA_VISIBLE_DEVICES``); by default the node's GPUs are
       split evenly. ps tasks get none.
+    stall_seconds: print the stall report (`tfdist.launch.stall`) when a
+      task saw no training step for this long after its first; 0: only on
+      a collective's timeout, a lost peer, or SIGUSR2 to the launcher.
 
   Raises:
     ConfigError: a value that cannot work, naming the field.
@@ -114,6 +117,7 @@ class LaunchSpec:
   rendezvous_timeout_seconds: float = 300.0
   secret_file: str | None = None
   gpus_per_task: int | None = None
+  stall_seconds: float = 0.0
 
   def __post_init__(self):
     low, high = _node_counts(self.nnodes, self.min_nodes)
@@ -144,6 +148,7 @@ class LaunchSpec:
     _seconds("rendezvous_timeout_seconds", self.rendezvous_timeout_seconds,
              zero=False)
     _seconds("last_call_seconds", self.last_call_seconds, zero=True)
+    _seconds("stall_seconds", self.stall_seconds, zero=True)
     if self.elastic and self.node_rank == 0 and not self.num_workers and (
         low == 1):
       raise ConfigError(

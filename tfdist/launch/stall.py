@@ -15,26 +15,128 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import tempfile
 import time
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 from tfdist import _flight
+from tfdist.errors import ConfigError
 
-__all__ = ["WAIT_S", "ask", "collect", "report", "stalled"]
+__all__ = ["WAIT_S", "SIGNAL", "Flight", "ask", "collect", "report",
+           "stalled"]
+
+#: The signal that asks the launcher for a report.
+SIGNAL = signal.SIGUSR2
+#: How often the launcher looks for a task's stall dump.
+_LOOK_S = 1.0
 
 #: The most the launcher waits for the tasks' dumps.
 WAIT_S = 10.0
 _POLL_S = 0.1
 #: A dump's reason when a task saw no step (`tfdist._flight`).
 _STALL = "no step for"
+#: A task's line when it could not write its dump (`tfdist._flight.dump`).
+_UNWRITTEN = "could not write its flight record"
 
 #: A task's answer: its dump, or why there is none.
 Found = Mapping[str, "dict | str"]
 
 
+class Flight:
+  """The launcher's side: each round's flight directory, and the report.
+
+  The dumps go under ``<log_dir>/flight/<round>/``, made by the first
+  dump (a run without one writes nothing there), or without a log
+  directory under a temporary one, removed at the end unless a report
+  named it.
+
+  Raises:
+    ConfigError: ``<log_dir>/flight`` is there and no directory, or the
+      temporary directory cannot be made, said at start.
+  """
+
+  def __init__(self, *, log_dir: str | None, stall_seconds: float,
+               say: Callable[[str], None], source: str):
+    self._stall = stall_seconds
+    self._say = say
+    self._temporary = log_dir is None
+    try:  # The log directory itself is checked where it is made.
+      self._root = (tempfile.mkdtemp(prefix="tfdist-flight-")
+                    if log_dir is None else os.path.join(log_dir, "flight"))
+      if os.path.lexists(self._root) and not os.path.isdir(self._root):
+        raise NotADirectoryError(f"{self._root} is no directory")
+    except OSError as e:
+      raise ConfigError(
+          field="log_dir", value=log_dir, source=source,
+          expected="a directory that can hold the tasks' flight records",
+          hint=f"Move or remove it: {e.strerror or e}") from None
+    self._reported = False
+    self.asked = False  # Set by the signal handler: a report is wanted.
+    self.directory = self._root
+    self._since = time.time()
+    self._seen: set[str] = set()
+    self._looked = 0.0
+
+  def env(self, attempt: int) -> dict[str, str]:
+    """The tasks' variables for round ``attempt``."""
+    self.directory = os.path.join(self._root, str(attempt))
+    self._since = time.time()
+    env = {_flight.DIR_VARIABLE: self.directory}
+    if self._stall:
+      env[_flight.STALL_VARIABLE] = f"{self._stall:g}"
+    return env
+
+  def watch(self, pids: Mapping[str, int],
+            notes: Mapping[str, Sequence[str]]) -> None:
+    """Reports when asked, or when a task's dump says it stalled.
+
+    Args:
+      pids: each task (``worker:1``) to its process id.
+      notes: each task's last lines of output.
+    """
+    why = None
+    if self.asked:
+      self.asked, why = False, "SIGUSR2 to the launcher"
+    elif self._stall and time.monotonic() - self._looked > _LOOK_S:
+      self._looked = time.monotonic()
+      why = stalled(self.directory, self._seen)
+    if why:
+      self._report(pids, notes, why)
+
+  def failed(self, role: str, code: int, pids: Mapping[str, int],
+             notes: Mapping[str, Sequence[str]]) -> None:
+    """A task failed: reports when its collective failed (it dumped)."""
+    dump = _dumps(self.directory).get(role)
+    if dump and dump.get("time", 0) >= self._since:
+      self._report(pids, notes, f"{role} exited {code}: {dump['reason']}")
+
+  def close(self) -> None:
+    """Removes a temporary directory no report named."""
+    if self._temporary and not self._reported:
+      shutil.rmtree(self._root, ignore_errors=True)
+
+  def _report(self, pids: Mapping[str, int],
+              notes: Mapping[str, Sequence[str]], why: str) -> None:
+    try:
+      request = ask(self.directory)
+    except OSError as e:
+      request = 0  # The tasks' own dumps still tell what they can.
+      why += f"; the tasks could not be asked ({e.strerror or e})"
+    found = collect(self.directory, pids, request=request, since=self._since,
+                    notes=notes)
+    self._reported = True
+    # One report a stall: the tasks' stall dumps of this one are said.
+    self._seen.update(_key(t, d) for t, d in found.items()
+                      if isinstance(d, dict))
+    self._say("\n".join(report(found, why=why, directory=self.directory)))
+
+
 def ask(directory: str) -> int:
   """Asks every task writing to ``directory`` for a dump; the request's
   number, which the dumps answering it carry."""
+  os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, _flight.REQUEST_FILE)
   try:
     with open(path) as f:
@@ -51,7 +153,7 @@ def stalled(directory: str, seen: set[str]) -> str | None:
   """The first task whose dump says it saw no step and is not in ``seen``
   (it is added); ``None`` when there is none."""
   for task, dump in sorted(_dumps(directory).items()):
-    key = f"{task}@{dump.get('progress_at')}"
+    key = _key(task, dump)
     if str(dump.get("reason", "")).startswith(_STALL) and key not in seen:
       seen.add(key)
       return f"{task} saw {dump['reason']}"
@@ -59,7 +161,8 @@ def stalled(directory: str, seen: set[str]) -> str | None:
 
 
 def collect(directory: str, pids: Mapping[str, int], *, request: int,
-            since: float, wait_s: float = WAIT_S) -> dict[str, dict | str]:
+            since: float, notes: Mapping[str, Sequence[str]] | None = None,
+            wait_s: float = WAIT_S) -> dict[str, dict | str]:
   """Each task's dump answering ``request``, or why it has none.
 
   Args:
@@ -68,6 +171,8 @@ def collect(directory: str, pids: Mapping[str, int], *, request: int,
     request: the number `ask` returned; a dump written since ``since``
       for another reason (a timeout, a stall) answers too.
     since: ``time.time()`` when the round began.
+    notes: each task's last lines of output: one saying it could not write
+      its dump stands for the dump.
     wait_s: the bound on waiting.
   """
   deadline = time.monotonic() + wait_s
@@ -81,7 +186,9 @@ def collect(directory: str, pids: Mapping[str, int], *, request: int,
                    and dump.get("reason") != "the launcher asked"):
         found[task] = dump
       else:
-        found[task] = _state(pid)
+        unwritten = [line.strip() for line in (notes or {}).get(task, ())
+                     if _UNWRITTEN in line]
+        found[task] = unwritten[-1] if unwritten else _state(pid)
     waiting = [t for t, f in found.items() if f == "running"]
     if not waiting or time.monotonic() >= deadline:
       return {t: (f"no dump within {wait_s:g} s" if f == "running" else f)
@@ -115,13 +222,18 @@ def report(found: Found, *, why: str, directory: str,
     lines.append(f"  {task}: step {step}{state}; "
                  f"{_describe(_last(dump), now)}")
     lines.append(f"      at {dump.get('where') or 'no frame of user code'}")
-  head = (f"tfdist: stall report ({why}): behind: {', '.join(behind)}"
-          if behind else f"tfdist: stall report ({why}): no task is behind")
+  head = (f"stall report ({why}): behind: {', '.join(behind)}"
+          if behind else f"stall report ({why}): no task is behind")
   named = sorted(os.path.basename(d["stacks"]) for d in dumps.values()
                  if d.get("stacks"))
   tail = (f"  dumps (record .json, stacks .stacks.txt): {directory}"
           if named else f"  no dump was written in {directory}")
   return [head, *lines, tail]
+
+
+def _key(task: str, dump: dict) -> str:
+  """A stall of ``task``: its last progress before it."""
+  return f"{task}@{dump.get('progress_at')}"
 
 
 def _dumps(directory: str) -> dict[str, dict]:
@@ -164,8 +276,11 @@ def _place(dump: dict) -> tuple[int, int]:
 
 
 def _last(dump: dict) -> dict | None:
+  """The collective a task waits in (the innermost still open), else the
+  last it entered."""
   records = dump.get("records") or ()
-  return max(records, key=lambda r: r["entered"]) if records else None
+  waiting = [r for r in records if r.get("left") is None]
+  return max(waiting or records, key=lambda r: r["entered"], default=None)
 
 
 def _describe(record: dict | None, now: float) -> str:
