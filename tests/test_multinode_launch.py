@@ -6,8 +6,11 @@ adds nothing); one test runs them in two hosts of the network-namespace test
 bed, with real addresses and a real all-reduce between them.
 """
 
+import hashlib
+import importlib.metadata
 import json
 import os
+import platform
 import socket
 import re
 import shutil
@@ -24,6 +27,7 @@ import pytest
 
 from tfdist import _net
 from tfdist.errors import ConfigError
+from tfdist.launch import fingerprint
 from tfdist.launch import spec as spec_lib
 from tfdist.launch import rendezvous
 
@@ -41,19 +45,26 @@ BOUND_S = rendezvous.SILENCE_SECONDS + 10 + 10
 
 
 def _nodes(layouts, *, mode=("ok",), secret=SECRET, extra=(), env=None,
-           program=TASK):
-  """One launcher per layout (its flags), node ranks in order, on loopback."""
+           program=TASK, nnodes=None, launched=None, envs=None):
+  """One launcher per layout (its flags), node ranks in order, on loopback.
+
+  ``launched`` and ``envs`` give, by node rank, another launched command
+  (what follows ``--``) and more environment.
+  """
   port = _net.free_ports(1)[0]
   base = cluster_utils.base_env({**(env or {})})
   if secret is not None:
     base[_net.JOB_SECRET_VARIABLE] = secret
-  commands = [LAUNCH + ["--nnodes", str(len(layouts)), "--node-rank", str(r),
-                        "--master-addr", "127.0.0.1", "--master-port",
-                        str(port), *extra, *flags, "--", sys.executable,
-                        program, *mode]
+  commands = [LAUNCH + ["--nnodes", str(nnodes or len(layouts)),
+                        "--node-rank", str(r), "--master-addr", "127.0.0.1",
+                        "--master-port", str(port), *extra, *flags, "--",
+                        *(launched or {}).get(r, [sys.executable, program,
+                                                  *mode])]
               for r, flags in enumerate(layouts)]
-  return cluster_utils.Tasks(commands=commands, envs=[base] * len(layouts),
-                             cwd=cluster_utils.REPO, merge_stderr=True), port
+  return cluster_utils.Tasks(
+      commands=commands, envs=[{**base, **(envs or {}).get(r, {})}
+                               for r in range(len(layouts))],
+      cwd=cluster_utils.REPO, merge_stderr=True), port
 
 
 def _envs(output: str) -> dict[str, dict]:
@@ -261,6 +272,139 @@ class StrangerTest(parameterized.TestCase):
       lost = member.poll(timeout=0.5)
     self.assertIsNotNone(lost)
     self.assertEqual(lost["kind"], "lost")
+
+
+#: Another Keras 3 release than the one installed, for a node that runs it.
+OTHER_KERAS = "3.14.0"
+
+
+@pytest.mark.timeout(240)
+class NodeMatchTest(parameterized.TestCase):
+  """Node 0 compares what every node runs: another release or script is
+  refused on both sides in one line and the refused node exits 2, while
+  the job goes on (``--nnodes 1:2``); other arguments alone are warned
+  about."""
+
+  def _folder(self):
+    folder = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, folder)
+    return folder
+
+  def _other_keras(self):
+    """Node 1's environment: a folder holding another Keras release first
+    on its PYTHONPATH (``pip install --no-deps --target``)."""
+    folder = self._folder()
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+         "--target", folder, f"keras=={OTHER_KERAS}"],
+        capture_output=True, text=True, timeout=180)
+    if r.returncode:
+      self.skipTest(f"pip could not install keras=={OTHER_KERAS} (no package "
+                    f"index reachable?): {r.stderr.strip()[-300:]}")
+    path = cluster_utils.base_env()["PYTHONPATH"]
+    return {"PYTHONPATH": folder + os.pathsep + path}
+
+  def _edited_script(self):
+    """Node 1's command: a copy of the task's script with one line more."""
+    path = os.path.join(self._folder(), "launch_task.py")
+    shutil.copy(TASK, path)
+    with open(path, "a") as f:
+      f.write("# Edited on node 1 only.\n")
+    return [sys.executable, path, "envwait", "5"]
+
+  @parameterized.named_parameters(
+      ("another_keras", "envs", "Keras {theirs} on node 1, {ours} on node 0"),
+      ("an_edited_script", "launched",
+       "script launch_task.py (sha256 {theirs}) on node 1, launch_task.py "
+       "(sha256 {ours}) on node 0"),
+  )
+  def test_refused_on_both_sides_and_the_job_goes_on(self, what, field):
+    if what == "envs":
+      other = {"envs": {1: self._other_keras()}}
+      ours, theirs = importlib.metadata.version("keras"), OTHER_KERAS
+    else:
+      other = {"launched": {1: self._edited_script()}}
+      ours, theirs = (_sha256(p)[:12] for p in (TASK, other["launched"][1][1]))
+    # Node 0 runs 10 s or more: node 1 is in well before it ends.
+    tasks, _ = _nodes([[], []], nnodes="1:2", mode=["envwait", "5"],
+                      extra=["--last-call-seconds", "5"], **other)
+    with tasks:
+      codes = tasks.wait_all(90)
+      outs = [tasks.stdout(0), tasks.stdout(1)]
+    self.assertEqual(codes, [0, 2], outs)
+    why = (field.format(ours=ours, theirs=theirs) + " (every node must run "
+           "the same tfdist, TensorFlow, Keras, Python and script)")
+    said = [[l for l in out.splitlines() if l.startswith("tfdist: ")]
+            for out in outs]
+    self.assertEqual(said, [[f"tfdist: rendezvous: refused node 1: {why}"],
+                            [f"tfdist: node 1: node 0 refused this node: "
+                             f"{why}"]], outs)
+    self.assertIn("[worker:0] env=", outs[0])  # The job went on.
+    self.assertNotIn("role=", outs[1])  # Nothing started on node 1.
+
+  def test_other_arguments_alone_are_one_warning(self):
+    tasks, _ = _nodes([[], []], launched={
+        1: [sys.executable, TASK, "ok", "/data/on/node1"]})
+    with tasks:
+      codes = tasks.wait_all(60)
+      outs = [tasks.stdout(0), tasks.stdout(1)]
+    self.assertEqual(codes, [0, 0], outs)
+    said = [[l for l in out.splitlines() if l.startswith("tfdist: ")]
+            for out in outs]
+    self.assertEqual(said, [[
+        "tfdist: rendezvous: warning: node 1 runs the same script with other "
+        "arguments: argv[3] is '/data/on/node1' on node 1, missing on node 0 "
+        "(fine for per-node paths)"], []], outs)
+
+
+def _sha256(path):
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.mark.beside
+class FingerprintTest(parameterized.TestCase):
+  """What a launched command runs, found without running it."""
+
+  @parameterized.named_parameters(
+      ("a_script", [sys.executable, TASK, "ok"], "launch_task.py", TASK),
+      ("python_options_first", [sys.executable, "-u", "-X", "dev", TASK],
+       "launch_task.py", TASK),
+      ("a_module", [sys.executable, "-m", "tfdist", "info"], "module tfdist",
+       os.path.join(cluster_utils.REPO, "tfdist", "__main__.py")),
+      ("another_program", ["bash", "run.sh"], "bash", shutil.which("bash")),
+  )
+  def test_the_script_and_its_hash(self, command, name, path):
+    node = fingerprint.take(command, cwd=cluster_utils.REPO)
+    self.assertEqual(node["script"], {"name": name, "sha256": _sha256(path)})
+    self.assertEqual(node["argv"], command)
+    self.assertEqual(node["Keras"], importlib.metadata.version("keras"))
+
+  def test_code_is_hashed_as_given(self):
+    node = fingerprint.take([sys.executable, "-c", "print(1)"])
+    self.assertEqual(node["script"], {
+        "name": "-c code", "sha256": hashlib.sha256(b"print(1)").hexdigest()})
+
+  @parameterized.named_parameters(
+      ("the_same", {}, (None, None)),
+      ("another_python", {"Python": "3.9.0"}, (
+          f"Python 3.9.0 on node 2, {platform.python_version()} on node 0 "
+          "(every node must run the same tfdist, TensorFlow, Keras, Python "
+          "and script)", None)),
+      ("a_longer_command", {"argv": [sys.executable, TASK, "ok", "x"]}, (
+          None, "node 2 runs the same script with other arguments: argv[3] "
+          "is 'x' on node 2, missing on node 0 (fine for per-node paths)")),
+  )
+  def test_compare(self, changed, expected):
+    ours = fingerprint.take([sys.executable, TASK, "ok"])
+    self.assertEqual(fingerprint.compare(ours, {**ours, **changed}, rank=2),
+                     expected)
+
+  def test_a_node_that_says_nothing_is_refused(self):
+    ours = fingerprint.take([sys.executable, TASK, "ok"])
+    why, warning = fingerprint.compare(ours, {}, rank=1)
+    self.assertIsNone(warning)
+    self.assertIn(f"node 0 runs tfdist {ours['tfdist']}", why)
 
 
 class NodeSpecTest(parameterized.TestCase):

@@ -6,6 +6,7 @@
 | `local`      | the one supervision loop of ``tfdist launch``, any number of nodes |
 | `rounds`     | who trains, round by round: the decisions (`Rounds`), and one node's rendezvous (`Solo`) |
 | `rendezvous` | node 0's server and each node's member: `Rounds` over the network, proven by the job secret |
+| `fingerprint`| what a node runs, and whether two nodes run the same       |
 | `output`     | the tasks' prefixed output, progress bars and failure tails |
 | `stopper`    | stopping each process with its whole group (the bench's too) |
 | `sbatch`     | an sbatch script that starts the tasks with ``srun`` (``tfdist slurm``) |

@@ -154,10 +154,10 @@ class Launcher:
         host = spec.address
       else:
         if spec.node_rank == 0:
-          master = self._master(prepared.secret.encode())
+          master = self._master(prepared)
         member = rendezvous.Member(
             master=(spec.master_addr, spec.master_port), rank=spec.node_rank,
-            secret=prepared.secret.encode(),
+            secret=prepared.secret.encode(), node=prepared.node,
             timeout=spec.rendezvous_timeout_seconds, stop=self._stopping,
             say=self._console.say)
         host = spec.host or member.local_address
@@ -198,13 +198,14 @@ class Launcher:
       for s, h in handlers.items():
         signal.signal(s, h)
 
-  def _master(self, secret: bytes) -> rendezvous.Master:
+  def _master(self, prepared: Prepared) -> rendezvous.Master:
     spec = self._spec
     try:
       return rendezvous.Master(
           address=(spec.master_addr, spec.master_port), nnodes=spec.nnodes,
           min_nodes=spec.min_nodes, last_call=spec.last_call_seconds,
-          secret=secret, timeout=spec.rendezvous_timeout_seconds,
+          secret=prepared.secret.encode(), node=prepared.node,
+          timeout=spec.rendezvous_timeout_seconds,
           max_restarts=spec.max_restarts, log=self._console.stream)
     except OSError as e:
       field = _LISTEN_ERRORS.get(e.errno, "master_addr")

@@ -68,6 +68,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from tfdist import _secret
+from tfdist.launch import fingerprint
 from tfdist.launch.rounds import Outbox
 from tfdist.launch.rounds import RendezvousError
 from tfdist.launch.rounds import Rounds
@@ -182,7 +183,11 @@ class Master:
     timeout: seconds for enough nodes to join, each round.
     max_restarts: how many times all nodes restart together.
     last_call: seconds to wait for more nodes once ``min_nodes`` joined.
-    log: where it says that a stranger was turned away (once per address).
+    node: what node 0 runs (`tfdist.launch.fingerprint.take`): a node that
+      runs another release or script is refused, one with other arguments
+      is warned about; ``None`` compares nothing.
+    log: where it says that a stranger was turned away (once per address),
+      that a node was refused or warned about.
 
   Raises:
     OSError: from the constructor, when the address cannot be listened on.
@@ -191,11 +196,12 @@ class Master:
   def __init__(self, *, address: tuple[str, int], nnodes: int, secret: bytes,
                timeout: float, max_restarts: int = 0,
                min_nodes: int | None = None, last_call: float = 0.0,
-               log=None):
+               node: Mapping[str, Any] | None = None, log=None):
     self._rounds = Rounds(min_nodes=min_nodes or nnodes, max_nodes=nnodes,
                           max_restarts=max_restarts, timeout=timeout,
                           last_call=last_call)
     self._nnodes = nnodes
+    self._node = node
     self._log = log or sys.stderr
     self._lock = threading.Lock()
     self._members: dict[int, _Channel] = {}
@@ -288,10 +294,21 @@ class Master:
       self._stranger(peer, str(e))
       return
     rank = join.get("rank")
+    known = isinstance(rank, int) and 0 <= rank < self._nnodes
+    refused = warning = None
+    if known and self._node is not None:
+      refused, warning = fingerprint.compare(self._node, join.get("node"),
+                                             rank=rank)
+    if refused:
+      self._say_once(f"refused {rank} {refused}",
+                     f"refused node {rank}: {refused}")
+    elif warning:
+      self._say_once(f"warned {rank} {warning}", f"warning: {warning}")
     with self._lock:
       old = self._members.get(rank)
       problem = (f"node rank {rank!r} is not from 0 to {self._nnodes - 1}"
-                 if not isinstance(rank, int) or not 0 <= rank < self._nnodes
+                 if not known
+                 else f"node 0 refused this node: {refused}" if refused
                  else f"node rank {rank} joined twice" if old is not None
                  and time.monotonic() - self._heard[rank] < SILENCE_SECONDS / 2
                  else None)
@@ -380,6 +397,8 @@ class Member:
     rank: this node's rank.
     secret: the job's secret.
     timeout: seconds to reach the master and for enough nodes to join.
+    node: what this node runs (`tfdist.launch.fingerprint.take`), sent
+      with every join for node 0 to compare.
     stop: once set, every wait here (dialing, proving, `join`) ends within
       `_STEP_SECONDS` with a `RendezvousError`; a launcher's signal handler
       sets it.
@@ -392,9 +411,10 @@ class Member:
   """
 
   def __init__(self, *, master: tuple[str, int], rank: int, secret: bytes,
-               timeout: float, stop: threading.Event | None = None,
-               say=None):
+               timeout: float, node: Mapping[str, Any] | None = None,
+               stop: threading.Event | None = None, say=None):
     self._rank = rank
+    self._node = dict(node or {})
     self._timeout = timeout
     self._stop = stop or threading.Event()
     self._say = say or (lambda text: print(f"tfdist: {text}", flush=True))
@@ -463,7 +483,7 @@ class Member:
     """
     join = {"kind": "join", "rank": self._rank, "attempt": attempt,
             "host": host, "jobs": dict(jobs), "evaluator": evaluator,
-            "ports": list(ports)}
+            "ports": list(ports), "node": self._node}
     self.send(join)
     deadline = time.monotonic() + self._timeout + SILENCE_SECONDS
     while time.monotonic() < deadline:

@@ -23,6 +23,7 @@ from typing import Mapping, Sequence
 
 from tfdist import _net
 from tfdist.errors import ConfigError
+from tfdist.launch import fingerprint
 
 __all__ = ["LaunchSpec", "Prepared", "preflight", "job_secret", "gpu_plan",
            "MAX_RESTART_DELAY_SECONDS", "make_dirs"]
@@ -248,9 +249,12 @@ class Prepared:
     secret: the job's secret, given or made fresh for one node.
     gpus: ``CUDA_VISIBLE_DEVICES`` of each task, in `LaunchSpec.kinds`
       order (`gpu_plan`).
+    node: what this node runs (`tfdist.launch.fingerprint.take`), for
+      node 0 to compare; empty on one node.
   """
   secret: str
   gpus: list[str | None]
+  node: dict = dataclasses.field(default_factory=dict)
 
 
 def _node_counts(nnodes, min_nodes) -> tuple[int, int]:
@@ -289,7 +293,8 @@ def preflight(spec: LaunchSpec) -> Prepared:
   Nothing is written.
 
   Returns:
-    The secret and the GPU plan, for every attempt of the run.
+    The secret, the GPU plan and, on several nodes, what this node runs,
+    for every attempt of the run.
 
   Raises:
     ConfigError: the first thing missing, naming the field.
@@ -339,8 +344,11 @@ def preflight(spec: LaunchSpec) -> Prepared:
       raise ConfigError(
           field="master_addr", value=spec.master_addr, source=_SOURCE,
           hint=why, expected="node 0's address, or a name that resolves to it")
+  environ = {**os.environ, **spec.env}
   return Prepared(secret=job_secret(spec) or secrets.token_hex(32),
-                  gpus=gpu_plan(spec, spec.kinds, {**os.environ, **spec.env}))
+                  gpus=gpu_plan(spec, spec.kinds, environ),
+                  node=fingerprint.take(spec.command, environ=environ)
+                  if spec.nnodes > 1 else {})
 
 
 def job_secret(spec: LaunchSpec) -> str | None:
