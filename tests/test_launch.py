@@ -603,11 +603,12 @@ class PreemptedTest(parameterized.TestCase):
   @parameterized.named_parameters(
       # A cloud VM's preemption of one task: the launcher exits 42.
       ("the_task", "default", 1, tfdist.PREEMPTED_EXIT_CODE,
-       r"worker:0 was preempted and saved at step (\d+)"),
+       r"worker:0 was preempted and saved at step (\d+) in {backup}"),
       # SLURM or Kubernetes stopping the launcher: both MultiWorkerMirrored
       # workers agree on a step and save there; the launcher exits 143.
       ("the_launcher", "multi_worker_mirrored", 2, 128 + signal.SIGTERM,
-       r"preempted \(SIGTERM\): every worker saved at step (\d+)"),
+       r"preempted \(SIGTERM\): every worker saved at step (\d+) in "
+       r"{backup}"),
   )
   def test_one_line_and_the_same_command_resumes(self, strategy, workers,
                                                  code, line):
@@ -631,8 +632,9 @@ class PreemptedTest(parameterized.TestCase):
       self.assertEqual(got, code, first)
       said = [l for l in first.splitlines() if l.startswith("tfdist: ")]
       self.assertLen(said, 1, first)
-      self.assertRegex(said[0], f"^tfdist: {line}; run the same command to "
-                       "resume$")
+      backup = re.escape(os.path.join(d, "b"))  # The chief's backup_dir.
+      self.assertRegex(said[0], f"^tfdist: {line.format(backup=backup)}; run "
+                       "the same command to resume$")
       step = int(re.search(r"at step (\d+)", said[0]).group(1))
       self.assertNotIn("last lines of its output", first)
       self.assertNotIn("All log messages before absl::InitializeLog()", first)

@@ -227,8 +227,8 @@ class TwoNodeSlurmTest(absltest.TestCase):
             ranks=1, drain=lambda nodes: nodes))
     self.assertEqual((state, restarts), ("COMPLETED", 1), first + second)
     self.assertNotEqual(second_node, first_node)
-    saved = re.search(r"checkpoint saved at step (\d+); exiting with code 42",
-                      first)
+    saved = re.search(r"checkpoint saved at step (\d+) in \S+; exiting with "
+                      r"code 42", first)
     self.assertIsNotNone(saved, first)
     step = int(saved.group(1))
     steps = [int(s) for s in re.findall(r"(?m)^0: step (\d+)$", second)]
@@ -260,7 +260,8 @@ class TwoNodeSlurmTest(absltest.TestCase):
     self.assertEqual((state, restarts, second_nodes),
                      ("COMPLETED", 1, "node2"), first + second)
     saved = dict(re.findall(
-        r"(?m)^(\d+): .*checkpoint saved at step (\d+); exiting with code 42",
+        r"(?m)^(\d+): .*checkpoint saved at step (\d+) in \S+; exiting with "
+        r"code 42",
         first))
     self.assertEqual(sorted(saved), ["0", "1"], first)
     self.assertLen(set(saved.values()), 1, saved)  # One agreed step.

@@ -98,8 +98,8 @@ class SigintTest(absltest.TestCase):
         err = tasks.stderr(0)
       self.assertEqual(code, INTERRUPTED_EXIT_CODE, cluster_utils.tail(err))
       self.assertNotIn("Traceback", err)
-      saved = int(re.findall(r"checkpoint saved at step (\d+); exiting with "
-                             r"code 130", err)[-1])
+      saved = int(re.findall(r"checkpoint saved at step (\d+) in \S+; "
+                             r"exiting with code 130", err)[-1])
       self.assertGreaterEqual(saved, 4)
       result = cluster_utils.run_script(fault_runs.JOB,
                                         args=[*args, "--sleep", "0"])

@@ -35,10 +35,11 @@ all-reduce can.
   `SocketRing.connect`, through a `Rendezvous`, listening on this process's
   own address within ``ports``; a stray connection is dropped and waited
   past.
-* **Security** (`tfdist.ring.auth`): with a job secret (``secret``, or
-  ``TFDIST_JOB_SECRET``) every connection proves both ends hold it, by
-  challenge and response with fresh nonces, so a stranger, or a recorded
-  hello replayed, is dropped; with ``authenticate_values`` every step's
+* **Security** (`tfdist._secret.Gate`, `tfdist.ring.auth`): with a job
+  secret (``secret``, or ``TFDIST_JOB_SECRET``) every connection proves
+  both ends hold it, by challenge and response with fresh nonces, so a
+  stranger, or a recorded hello replayed, is dropped; with
+  ``authenticate_values`` every step's
   bytes also carry an HMAC-SHA256 tag, checked before anything computed
   from them is sent on or returned. Without a secret the ring logs once
   that it is unauthenticated. Nothing is encrypted.

@@ -210,7 +210,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     watcher = self._watcher
     if not self._managed:
       self._stop_watching()
-    watcher.exit(epoch * (self._steps or 0) + done)
+    watcher.exit(epoch * (self._steps or 0) + done, self._directory)
 
   def finished(self) -> None:
     """Training completed: the backup is no longer needed."""

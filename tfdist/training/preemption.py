@@ -233,14 +233,18 @@ class PreemptionWatcher:
     self._since_check, self._last_check = 0, now
     return self._stop
 
-  def exit(self, step: int) -> None:
+  def exit(self, step: int, directory: str | None = None) -> None:
     """Raises `PreemptedError` for ``step`` (call it after saving).
+
+    The line it logs names ``directory``, where the chief saved, when given:
+    ``tfdist launch`` says it once the tasks ended.
 
     On the chief, after a preemption (42), first requeues the SLURM job when
     in-process requeue is on; that never raises nor hangs.
     """
-    logging.warning("tfdist: checkpoint saved at step %d; exiting with code "
-                    "%d", step, self._code)
+    where = f" in {directory}" if directory else ""
+    logging.warning("tfdist: checkpoint saved at step %d%s; exiting with code "
+                    "%d", step, where, self._code)
     if (self._code == PREEMPTED_EXIT_CODE and self._requeue.enabled
         and introspect.is_chief(self._strategy)):
       line = requeue_lib.requeue_after_save(self._requeue)

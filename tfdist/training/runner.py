@@ -169,7 +169,7 @@ class Runner:
       if join is not None:
         join()
       self.save()
-      self._watcher.exit(self._step)
+      self._watcher.exit(self._step, self._directory)
 
   def train(self, num_steps: int) -> dict[str, float]:
     """Trains until `step` reaches ``num_steps``; returns the last loop's logs.
