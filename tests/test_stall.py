@@ -54,10 +54,11 @@ def _report(output: str) -> list[str]:
   return lines[start:end + 1]
 
 
-def _pids(launcher) -> dict[int, int]:
-  """Each task's rank -> its pid, from the JSON lines it printed."""
+def _pids(launcher, index: int = 0) -> dict[int, int]:
+  """Each task's rank -> its pid, from the JSON lines launcher ``index``
+  printed."""
   found = {}
-  for line in launcher.lines(0):
+  for line in launcher.lines(index):
     start = line.find("{")
     if start >= 0 and '"pid"' in line:
       task = json.loads(line[start:])
@@ -179,6 +180,47 @@ class ManyTasksTest(parameterized.TestCase):
     for rank in (0, 1, 2, 4, 5, 6, 7):
       entry = next(l for l in report if l.startswith(f"  worker:{rank}: "))
       self.assertIn("step 6; in gradient bucket 1/1 (socket ring", entry)
+
+
+@pytest.mark.timeout(300)
+class TwoNodesTest(absltest.TestCase):
+  """Two launchers on loopback stand for two nodes, a ring task each."""
+
+  def test_node_0_reports_every_nodes_tasks_together(self):
+    port = cluster_utils.free_ports(1)[0]
+    env = cluster_utils.base_env({"TFDIST_JOB_SECRET": "stall-test-secret"})
+    with tempfile.TemporaryDirectory() as d:
+      commands = [LAUNCH + ["--nnodes", "2", "--node-rank", str(rank),
+                            "--master-addr", "127.0.0.1", "--master-port",
+                            str(port), "--stall-seconds", "2",
+                            "--grace-seconds", "2", "--", sys.executable,
+                            RING_JOB, d, "--slow", "1", "--at", "5"]
+                  for rank in (0, 1)]
+      with cluster_utils.Tasks(commands=commands, envs=[env, env],
+                               cwd=cluster_utils.REPO,
+                               merge_stderr=True) as nodes:
+        self.addCleanup(lambda: _kill([*_pids(nodes, 0).values(),
+                                       *_pids(nodes, 1).values()]))
+        self.assertTrue(cluster_utils.wait_until(
+            lambda: "every node" in nodes.stdout(0)
+            and "  dumps" in nodes.stdout(1), 90),
+            nodes.stdout(0) + nodes.stdout(1))
+        cluster_utils.wait_until(  # The whole combined report.
+            lambda: "(node 1)" in nodes.stdout(0), 10)
+        outs = [nodes.stdout(0), nodes.stdout(1)]
+        nodes.signal(1, signal.SIGTERM)
+        nodes.signal(0, signal.SIGTERM)
+        nodes.wait_all(60)
+    combined = next(l for l in outs[0].splitlines() if "every node" in l)
+    self.assertIn("behind: worker:1 (by 1 step, at step 5)", combined)
+    self.assertIn("node 1: worker:1 saw no step for 2 s", combined)
+    report = outs[0].splitlines()
+    at = report.index(combined)
+    self.assertIn("(node 1)", "\n".join(report[at:at + 8]))
+    # Each node says its own tasks: node 1's report has worker:1 alone.
+    own = _report(outs[1])
+    self.assertTrue(own[1].startswith("  worker:1: step 5"), own)
+    self.assertLen([l for l in own if l.startswith("  worker:")], 1, own)
 
 
 @pytest.mark.timeout(300)

@@ -164,7 +164,8 @@ class Launcher:
       make_dirs(spec.log_dir)
       self._flight = stall.Flight(
           log_dir=spec.log_dir, stall_seconds=spec.stall_seconds,
-          say=self._console.say, source=_SOURCE)
+          say=self._console.say, source=_SOURCE,
+          share=member.send if spec.node_rank else None)
       attempt, delay = 0, 0.0
       while True:
         placed = member.join(attempt=attempt, host=host, jobs=spec.jobs,
@@ -206,7 +207,8 @@ class Launcher:
           min_nodes=spec.min_nodes, last_call=spec.last_call_seconds,
           secret=prepared.secret.encode(), node=prepared.node,
           timeout=spec.rendezvous_timeout_seconds,
-          max_restarts=spec.max_restarts, log=self._console.stream)
+          max_restarts=spec.max_restarts, log=self._console.stream,
+          on_report=self._merge_report)
     except OSError as e:
       field = _LISTEN_ERRORS.get(e.errno, "master_addr")
       raise ConfigError(
@@ -361,6 +363,11 @@ class Launcher:
     del signum, frame
     if self._flight is not None:
       self._flight.asked = True
+
+  def _merge_report(self, rank: int, message: dict) -> None:
+    """Node 0: another node's stall report, said with this node's tasks."""
+    if self._flight is not None:
+      self._flight.merge(rank, message, self._pids())
 
   def _pids(self) -> dict[str, int]:
     return {t.role: t.proc.pid for t in self._tasks}

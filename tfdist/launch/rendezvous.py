@@ -65,7 +65,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from tfdist import _secret
 from tfdist.launch import fingerprint
@@ -188,6 +188,8 @@ class Master:
       is warned about; ``None`` compares nothing.
     log: where it says that a stranger was turned away (once per address),
       that a node was refused or warned about.
+    on_report: ``on_report(rank, message)`` for a node's stall report
+      (`tfdist.launch.stall.Flight.merge`); ``None`` drops them.
 
   Raises:
     OSError: from the constructor, when the address cannot be listened on.
@@ -196,13 +198,15 @@ class Master:
   def __init__(self, *, address: tuple[str, int], nnodes: int, secret: bytes,
                timeout: float, max_restarts: int = 0,
                min_nodes: int | None = None, last_call: float = 0.0,
-               node: Mapping[str, Any] | None = None, log=None):
+               node: Mapping[str, Any] | None = None, log=None,
+               on_report: Callable[[int, dict], None] | None = None):
     self._rounds = Rounds(min_nodes=min_nodes or nnodes, max_nodes=nnodes,
                           max_restarts=max_restarts, timeout=timeout,
                           last_call=last_call)
     self._nnodes = nnodes
     self._node = node
     self._log = log or sys.stderr
+    self._on_report = on_report
     self._lock = threading.Lock()
     self._members: dict[int, _Channel] = {}
     self._heard: dict[int, float] = {}  # Rank -> when it last said anything.
@@ -349,6 +353,8 @@ class Master:
       if kind == "bye":
         self._lost(rank, channel, f"node {rank} left")
         return
+      if kind == "report" and self._on_report is not None:
+        self._on_report(rank, message)
 
   def _lost(self, rank: int, channel: _Channel, why: str) -> None:
     with self._lock:

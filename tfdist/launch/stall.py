@@ -8,7 +8,10 @@ task saw no step for ``--stall-seconds``; it waits at most `WAIT_S` for the
 dumps (`collect`) and prints one screen (`report`): each task's step and last
 collective, who is behind and by how much, the innermost frame of the user's
 code in each task, and where the dumps are. A task that cannot dump (stopped,
-ended, or unable to write) is named with the reason.
+ended, or unable to write) is named with the reason. On several nodes each
+node's launcher reports its own tasks and sends what it found to node 0,
+which reports every node's tasks together (`Flight.merge`) while the
+rendezvous still reaches it.
 """
 
 from __future__ import annotations
@@ -58,9 +61,13 @@ class Flight:
   """
 
   def __init__(self, *, log_dir: str | None, stall_seconds: float,
-               say: Callable[[str], None], source: str):
+               say: Callable[[str], None], source: str,
+               share: Callable[[dict], None] | None = None):
+    """Checks the directory; ``share`` sends a report's findings to node 0
+    (``None`` on node 0 and on one node)."""
     self._stall = stall_seconds
     self._say = say
+    self._share = share
     self._temporary = log_dir is None
     try:  # The log directory itself is checked where it is made.
       self._root = (tempfile.mkdtemp(prefix="tfdist-flight-")
@@ -131,6 +138,25 @@ class Flight:
     self._seen.update(_key(t, d) for t, d in found.items()
                       if isinstance(d, dict))
     self._say("\n".join(report(found, why=why, directory=self.directory)))
+    if self._share is not None:  # Node 0 may be gone: this report stands.
+      self._share({"kind": "report", "why": why, "directory": self.directory,
+                   "found": {t: _brief(d) for t, d in found.items()}})
+
+  def merge(self, rank: int, message: dict, pids: Mapping[str, int]) -> None:
+    """Node 0: node ``rank`` reported; says every node's tasks together,
+    this node's as their dumps stand."""
+    try:
+      found = {**collect(self.directory, pids, request=0, since=self._since,
+                         wait_s=0),
+               **{str(t): d if isinstance(d, (dict, str)) else str(d)
+                  for t, d in dict(message["found"]).items()}}
+      lines = report(found, why=f"every node; node {rank}: {message['why']}",
+                     directory=f"{self.directory} (node 0), "
+                               f"{message['directory']} (node {rank})")
+    except (KeyError, TypeError, ValueError) as e:
+      lines = [f"node {rank} sent a stall report that cannot be read ({e})"]
+    self._reported = True
+    self._say("\n".join(lines))
 
 
 def ask(directory: str) -> int:
@@ -229,6 +255,17 @@ def report(found: Found, *, why: str, directory: str,
   tail = (f"  dumps (record .json, stacks .stacks.txt): {directory}"
           if named else f"  no dump was written in {directory}")
   return [head, *lines, tail]
+
+
+def _brief(dump: dict | str) -> dict | str:
+  """A dump as the report reads it: the records of its step and its last."""
+  if not isinstance(dump, dict):
+    return dump
+  step, last = dump.get("step"), _last(dump)
+  records = [r for r in dump.get("records", ()) if r["step"] == step]
+  if last is not None and last not in records:
+    records.append(last)
+  return {**dump, "records": records}
 
 
 def _key(task: str, dump: dict) -> str:
