@@ -54,6 +54,16 @@ def _report(output: str) -> list[str]:
   return lines[start:end + 1]
 
 
+def _reported(test, launcher, timeout: float) -> list[str]:
+  """The report of a launcher that goes on after it, then stopped."""
+  test.assertTrue(cluster_utils.wait_until(
+      lambda: "  dumps" in launcher.stdout(0), timeout), launcher.stdout(0))
+  test.assertTrue(launcher.running(0))  # A report stops nothing.
+  launcher.signal(0, signal.SIGTERM)
+  launcher.wait(0, 60)
+  return _report(launcher.stdout(0))
+
+
 def _pids(launcher, index: int = 0) -> dict[int, int]:
   """Each task's rank -> its pid, from the JSON lines launcher ``index``
   printed."""
@@ -127,12 +137,7 @@ class StallReportTest(parameterized.TestCase):
       os.kill(pids[2], signal.SIGSTOP)
       self.addCleanup(lambda: cluster_utils.alive(pids[2]) and os.kill(
           pids[2], signal.SIGCONT))
-      self.assertTrue(cluster_utils.wait_until(
-          lambda: "  dumps" in launcher.stdout(0), 120), launcher.stdout(0))
-      launcher.signal(0, signal.SIGTERM)
-      launcher.wait(0, 60)
-      out = launcher.stdout(0)
-    report = _report(out)
+      report = _reported(self, launcher, 120)
     self.assertIn("saw no step for 3 s", report[0])
     self.assertIn("worker:2 (stopped (SIGSTOP or a debugger)", report[0])
     self.assertTrue(any(l.startswith("  worker:2: no flight record: stopped")
@@ -163,14 +168,8 @@ class ManyTasksTest(parameterized.TestCase):
         if signum:
           cluster_utils.wait_until(lambda: False, 3)  # Into the stall.
           launcher.signal(0, signum)
-        self.assertTrue(cluster_utils.wait_until(
-            lambda: "  dumps" in launcher.stdout(0), 60), launcher.stdout(0))
-        self.assertTrue(launcher.running(0))  # A report stops nothing.
-        launcher.signal(0, signal.SIGTERM)
-        launcher.wait(0, 60)
-        out = launcher.stdout(0)
-    report = _report(out)
-    self.assertLessEqual(len(report), 40, out)
+        report = _reported(self, launcher, 60)
+    self.assertLessEqual(len(report), 40, report)
     self.assertRegex(report[0], why)
     self.assertIn("behind: worker:3 (by 1 step, at step 5)", report[0])
     line = report.index(next(l for l in report
@@ -235,12 +234,7 @@ class UnwritableDumpTest(absltest.TestCase):
                      "2", "--stall-seconds", "2", "--", sys.executable,
                      RING_JOB, d, "--slow", "3", "--at", "5") as launcher:
         self.addCleanup(lambda: _kill(_pids(launcher).values()))
-        self.assertTrue(cluster_utils.wait_until(
-            lambda: "  dumps" in launcher.stdout(0), 90), launcher.stdout(0))
-        launcher.signal(0, signal.SIGTERM)
-        launcher.wait(0, 60)
-        out = launcher.stdout(0)
-    report = _report(out)
+        report = _reported(self, launcher, 90)
     entry = next(l for l in report if l.startswith("  worker:3: "))
     self.assertIn("could not write its flight record", entry)
     self.assertIn("worker-3.stacks.txt", entry)
