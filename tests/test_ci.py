@@ -36,7 +36,7 @@ class CiTest(absltest.TestCase):
   def test_the_command_pins_the_tested_versions_and_names_skips(self):
     command = _readme_test_command()
     self.assertIn('pip install -e ".[test]" -c constraints.txt', command)
-    self.assertIn("pytest -q -rs", command)
+    self.assertIn("pytest -q -rfEs", command)
     pins = dict(re.findall(r"^([\w-]+)==(\S+)$", _read("constraints.txt"),
                            re.M))
     self.assertEqual(sorted(pins), ["keras", "tensorflow"])

@@ -10,12 +10,14 @@ tfdist keeps what it knows about them in weak maps beside them.
 """
 
 import functools
+import itertools
 import gc
 import json
 import os
 import shutil
 import tempfile
 from typing import Any, Iterator
+from unittest import mock
 import weakref
 
 from absl.testing import absltest
@@ -105,6 +107,10 @@ def _observed(obj, root: str) -> dict:
   return seen
 
 
+#: Key ranges of the plain MirroredStrategies made here (test_perf's is 1e9).
+_UPSTREAM_KEYS = itertools.count(1_500_000_000, 100_000)
+
+
 def _made_under_both(ours, theirs=None) -> Iterator[tuple[str, Any]]:
   """``ours(strategy)`` under tfdist's strategy, then ``theirs`` (``ours``
   by default) under TensorFlow's.
@@ -117,7 +123,14 @@ def _made_under_both(ours, theirs=None) -> Iterator[tuple[str, Any]]:
   keras_compat.restore()
   try:
     keras.utils.clear_session()
-    yield "upstream", (theirs or ours)(tf.distribute.MirroredStrategy(DEVICES))
+    # Every plain MirroredStrategy numbers its collectives from the same
+    # keys, and one's all-reduce aborts another's of other shapes at the same
+    # key in this process (test_transport's, beside): a range of its own, as
+    # TensorFlow's tests give theirs ("Only set this in tests").
+    with mock.patch.object(tf.distribute.MirroredStrategy,
+                           "_collective_key_base", next(_UPSTREAM_KEYS)):
+      upstream = tf.distribute.MirroredStrategy(DEVICES)
+    yield "upstream", (theirs or ours)(upstream)
   finally:
     keras_compat.apply()
 

@@ -123,11 +123,11 @@ class NotebookLauncherTest(absltest.TestCase):
     out, result = self._run(_PREEMPTED, 180)
     self.assertEqual((result["role"], result["code"]), ("worker:0", 42))
     self.assertRegex(result["message"],
-                     r"^worker:0 was preempted and saved at step \d+; call "
-                     "notebook_launcher again to resume$")
+                     r"^worker:0 was preempted and saved at step \d+ in \S+; "
+                     "call notebook_launcher again to resume$")
     # The cell's stream says the same as the error: no command to run again.
     self.assertRegex(out, r"tfdist: worker:0 was preempted and saved at step "
-                     r"\d+; call notebook_launcher again to resume\n")
+                     r"\d+ in \S+; call notebook_launcher again to resume\n")
 
   def test_interrupting_the_cell_stops_every_worker(self):
     with _driver(_INTERRUPTED) as tasks:

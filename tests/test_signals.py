@@ -9,6 +9,7 @@ about once per ``check_seconds`` however its calls are spaced.
 """
 
 import os
+import pickle
 import re
 import signal
 import tempfile
@@ -154,6 +155,17 @@ class WatcherTest(parameterized.TestCase):
                      (PREEMPTED_EXIT_CODE, 7))
     self.assertEqual(tfdist.PreemptedError(step=3, signal_name="SIGINT").code,
                      INTERRUPTED_EXIT_CODE)
+
+  def test_the_saved_directory_is_said_and_travels(self):
+    error = tfdist.PreemptedError(step=4, signal_name="SIGTERM",
+                                  directory="/shared/backup")
+    again = pickle.loads(pickle.dumps(error))  # As a notebook worker's does.
+    for e in (error, again):
+      self.assertEqual(str(e), "stopped by SIGTERM: checkpoint saved at step "
+                       "4 in /shared/backup; exiting with code 42 to be "
+                       "restarted")
+      self.assertEqual((e.directory, e.step, e.code),
+                       ("/shared/backup", 4, PREEMPTED_EXIT_CODE))
 
   @parameterized.named_parameters(
       # The first agreement measured nothing: agree again at the next call.

@@ -299,7 +299,7 @@ class SlurmPreemptionTest(parameterized.TestCase):
     # First run: both tasks saved at one step and exited 42.
     saved = {int(m.group(1)): (int(m.group(2)), int(m.group(3)))
              for m in re.finditer(r"(?m)^(\d+): .*tfdist: checkpoint saved at "
-                                  r"step (\d+); exiting with code (\d+)$",
+                                  r"step (\d+) in \S+; exiting with code (\d+)$",
                                   first)}
     self.assertLen(saved, 2, first)
     self.assertLen(set(saved.values()), 1, saved)

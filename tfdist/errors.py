@@ -121,17 +121,22 @@ class PreemptedError(TfdistError, SystemExit):
       restore, or after training's last agreed step).
     signal_name: the signal that asked for it, e.g. ``"SIGTERM"``.
     where: with ``step=None``, when the signal came, in words.
+    directory: where the chief saved, when known.
   """
 
   def __init__(self, *, step: int | None, signal_name: str,
-               code: int | None = None, where: str = "during start-up"):
+               code: int | None = None, where: str = "during start-up",
+               directory: str | None = None):
     self.step = step
     self.signal_name = signal_name
     self.where = where
+    self.directory = directory
     code = exit_code_for(signal_name) if code is None else code
     SystemExit.__init__(self, code)
     saved = (f"checkpoint saved at step {step}" if step is not None
              else f"nothing saved ({where})")
+    if step is not None and directory:
+      saved += f" in {directory}"
     self.args = (f"stopped by {signal_name}: {saved}; exiting with code "
                  f"{code}" + (" to be restarted" if code ==
                               PREEMPTED_EXIT_CODE else ""),)
@@ -140,13 +145,14 @@ class PreemptedError(TfdistError, SystemExit):
     return self.args[0]
 
   def __reduce__(self):
-    return (_rebuild_preempted,
-            (self.step, self.signal_name, self.code, self.where))
+    return (_rebuild_preempted, (self.step, self.signal_name, self.code,
+                                 self.where, self.directory))
 
 
-def _rebuild_preempted(step, signal_name, code=None, where="during start-up"):
+def _rebuild_preempted(step, signal_name, code=None, where="during start-up",
+                       directory=None):
   return PreemptedError(step=step, signal_name=signal_name, code=code,
-                        where=where)
+                        where=where, directory=directory)
 
 
 class WorkerLostError(TfdistError, RuntimeError):

@@ -251,7 +251,7 @@ class PreemptionWatcher:
       if line:
         logging.warning("tfdist: %s", line)
     raise PreemptedError(step=int(step), signal_name=self.signal_name,
-                         code=self._code)
+                         code=self._code, directory=directory)
 
   def _all_workers_sum(self, values: list[float]) -> list[float]:
     """Sums ``values`` over the workers in one all-reduce."""
