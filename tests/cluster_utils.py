@@ -193,7 +193,9 @@ class Tasks:
   starts a new process for it (the earlier one's stderr stays readable, see
   `stderr_of_all`). Each process leads a session of its own; a thread reads
   its stdout into lines, and its stderr goes to a file (or into stdout with
-  ``merge_stderr``). Output stays readable after `close`. Waits count
+  ``merge_stderr``). Its processes' TMPDIR is a directory of its own,
+  removed at `close`, unless their env names one. Output stays readable
+  after `close`. Waits count
   running time (`stalls`); a task that overruns one is aborted with its
   Python stacks in the failure message (`stacks`).
   """
@@ -211,6 +213,10 @@ class Tasks:
     self._latest: dict[int, _Run] = {}
     self._changed = threading.Condition()
     self._logs = tempfile.mkdtemp(prefix="tfdist-tasks-")
+    # Their temporary files (a stall report's dumps, a worker's save
+    # directory) go with the rest at `close`, unless the env names TMPDIR.
+    self._tmp = os.path.join(self._logs, "tmp")
+    os.mkdir(self._tmp)
     if start:
       try:
         self.start()
@@ -249,7 +255,8 @@ class Tasks:
             else contextlib.nullcontext(subprocess.STDOUT)) as err:
         proc = subprocess.Popen(
             self._commands[index], cwd=self._cwd,
-            env={"PYTHONFAULTHANDLER": "1", **self._envs[index]},
+            env={"PYTHONFAULTHANDLER": "1", "TMPDIR": self._tmp,
+                 **self._envs[index]},
             stdout=subprocess.PIPE, stderr=err, text=True,
             start_new_session=True)
       run = _Run(index, proc, err_path)

@@ -200,7 +200,7 @@ def dump(reason: str, *, request: int = 0) -> str | None:
     stem = os.path.join(directory, dump_name(found["role"]))
     found["stacks"] = stem + ".stacks.txt"
     try:
-      os.makedirs(directory, exist_ok=True)
+      os.makedirs(directory, mode=0o700, exist_ok=True)
       with open(found["stacks"], "w") as f:
         faulthandler.dump_traceback(f, all_threads=True)
       with open(stem + ".json.tmp", "w") as f:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -50,14 +51,14 @@ Found = Mapping[str, "dict | str"]
 class Flight:
   """The launcher's side: each round's flight directory, and the report.
 
-  The dumps go under ``<log_dir>/flight/<round>/``, made by the first
-  dump (a run without one writes nothing there), or without a log
-  directory under a temporary one, removed at the end unless a report
-  named it.
+  The dumps go under ``<log_dir>/flight/<round>/``, or without a log
+  directory under ``$TMPDIR/tfdist-flight-<pid>-<random>/<round>/``,
+  made by the first dump: a run without one writes nothing. A temporary
+  one is removed at the end unless a report named it.
 
   Raises:
-    ConfigError: ``<log_dir>/flight`` is there and no directory, or the
-      temporary directory cannot be made, said at start.
+    ConfigError: ``<log_dir>/flight`` is there and no directory, said at
+      start.
   """
 
   def __init__(self, *, log_dir: str | None, stall_seconds: float,
@@ -69,16 +70,16 @@ class Flight:
     self._say = say
     self._share = share
     self._temporary = log_dir is None
-    try:  # The log directory itself is checked where it is made.
-      self._root = (tempfile.mkdtemp(prefix="tfdist-flight-")
-                    if log_dir is None else os.path.join(log_dir, "flight"))
-      if os.path.lexists(self._root) and not os.path.isdir(self._root):
-        raise NotADirectoryError(f"{self._root} is no directory")
-    except OSError as e:
+    # Unguessable where no log directory is given: nobody else makes it.
+    self._root = (os.path.join(log_dir, "flight") if log_dir else
+                  os.path.join(tempfile.gettempdir(), f"tfdist-flight-"
+                               f"{os.getpid()}-{secrets.token_hex(8)}"))
+    if os.path.lexists(self._root) and not os.path.isdir(self._root):
+      # The log directory itself is checked where it is made.
       raise ConfigError(
           field="log_dir", value=log_dir, source=source,
           expected="a directory that can hold the tasks' flight records",
-          hint=f"Move or remove it: {e.strerror or e}") from None
+          hint=f"Move or remove {self._root}: it is no directory")
     self._reported = False
     self.asked = False  # Set by the signal handler: a report is wanted.
     self.directory = self._root
@@ -162,7 +163,7 @@ class Flight:
 def ask(directory: str) -> int:
   """Asks every task writing to ``directory`` for a dump; the request's
   number, which the dumps answering it carry."""
-  os.makedirs(directory, exist_ok=True)
+  os.makedirs(directory, mode=0o700, exist_ok=True)
   path = os.path.join(directory, _flight.REQUEST_FILE)
   try:
     with open(path) as f:
