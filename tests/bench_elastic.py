@@ -41,9 +41,8 @@ def recovery(how: str, *, workdir: str) -> dict:
     commands = [bed.command(f"h{r}", [
         sys.executable, "-m", "tfdist", "launch", "--nnodes", "2:3",
         "--node-rank", str(r), "--master-addr", bed.address("h0"),
-        "--master-port", "29500", "--max-restarts", "1",
-        "--last-call-seconds", "3",
-        "--restart-delay-seconds", "0", "--grace-seconds", "5", "--",
+        "--master-port", "29500", "--last-call-seconds", "3",
+        "--grace-seconds", "5", "--",
         sys.executable, os.path.join(cluster_utils.SCRIPTS, fault_runs.JOB),
         "multi_worker_mirrored", "fit", backup, "--sleep", "0.5",
         "--batch", "12"])
@@ -60,10 +59,10 @@ def recovery(how: str, *, workdir: str) -> dict:
         tasks.kill(2)
       else:
         bed.cut("h2")
-      tasks.wait_for(0, lambda l: "restart 1 of 1" in l, 120)
+      tasks.wait_for(0, lambda l: "members changed (round 1," in l, 120)
       restarted = time.monotonic()
       seen = []  # wait_for reads from the first line: skip to the restart.
-      tasks.wait_for(0, lambda l: seen.append("restart 1 of 1" in l) or (
+      tasks.wait_for(0, lambda l: seen.append("(round 1," in l) or (
           any(seen) and l.startswith("[worker:0] step ")), 240)
       stepped = time.monotonic()
       codes = [tasks.wait(i, 240) for i in ((0, 1, 2) if how == "join"

@@ -5,7 +5,8 @@ restarts at a new size, and training that survives a lost node.
 `LoopbackTest` runs real launchers on loopback with a program without
 TensorFlow and SIGKILLs one of them; `BedTest` runs Keras ``fit`` with a
 backup on three hosts of the network-namespace bed, admits a late one, loses
-it, and compares the final weights with an uninterrupted run.
+it, and compares the final weights with an uninterrupted run. 64 launchers:
+tests/test_elastic_scale.py.
 """
 
 import json
@@ -19,7 +20,9 @@ from absl.testing import parameterized
 import pytest
 
 from tfdist import _net
+from tfdist.launch import local
 from tfdist.launch import rounds as rounds_lib
+from tfdist.launch import spec as spec_lib
 
 import cluster_utils
 import fault_runs
@@ -95,11 +98,11 @@ class RoundsTest(parameterized.TestCase):
     self.assertTrue(rounds.over)
 
   @parameterized.named_parameters(
-      # (event, restarts left, the next round, the nodes that join it)
-      ("lost_node_restarts_with_the_rest", "lost", 2, 1, [0, 1]),
+      # (event, --max-restarts, the next round, the nodes that join it)
+      ("lost_node_restarts_the_rest_for_free", "lost", 0, 1, [0, 1]),
       ("failed_task_restarts_everyone", "failed", 2, 1, [0, 1, 2]),
       ("preempted_task_restarts_everyone", "preempted", 2, 1, [0, 1, 2]),
-      ("no_restart_left_stops_for_good", "lost", 0, None, []),
+      ("failed_task_without_restarts_stops_for_good", "failed", 0, None, []),
   )
   def test_a_running_round_ends_in_stop(self, event, restarts, restart,
                                         survivors):
@@ -123,6 +126,31 @@ class RoundsTest(parameterized.TestCase):
           "lost": "node 2 went away",
           "failed": "task worker:2 on node 2 failed",
           "preempted": "task worker:2 on node 2 was preempted"}[event])
+      self.assertEqual((cluster["failure"], cluster["failures"]),
+                       (event != "lost", int(event != "lost")))
+
+  def test_members_change_for_free_and_failures_spend_restarts(self):
+    """torchrun's rule: losses and joins restart without spending any of
+    ``max_restarts``; with none, the first failed task ends the job."""
+    rounds = self._rounds(2, 3, restarts=0)
+    self._start(rounds, [0, 1, 2])
+    for attempt, event in enumerate(("lost", "joined", "lost", "joined"), 1):
+      if event == "lost":
+        out = rounds.lost(2, "gone")
+      else:
+        out = rounds.join(2, _join(), first=True)
+      self.assertEqual({m["restart"] for _, m in out}, {attempt})
+      self.assertEqual({m["failure"] for _, m in out}, {False})
+      out = []
+      for r in (0, 1):  # The newcomer is in: it joined.
+        out += rounds.join(r, _join(attempt=attempt), first=False)
+      self.assertEqual(sorted(_kinds(out)),
+                       [0, 1] if event == "lost" else [0, 1, 2])
+      self.assertEqual(dict(out)[0]["failures"], 0)
+    out = rounds.failed(1, {"attempt": 4, "role": "worker:1", "code": 3})
+    self.assertEqual([(m["restart"], m["code"]) for _, m in out],
+                     [(None, 3)] * 3)
+    self.assertTrue(rounds.over)
 
   def test_below_min_the_job_stops(self):
     rounds = self._rounds(2, 3)
@@ -133,39 +161,94 @@ class RoundsTest(parameterized.TestCase):
     self.assertEqual([m["restart"] for _, m in out], [None])
     self.assertIn("the job needs 2", out[0][1]["why"])
 
-  def test_the_next_round_waits_for_every_survivor_then_starts(self):
+  def test_the_next_round_starts_once_every_member_joined_again(self):
     rounds = self._rounds(2, 3)
     self._start(rounds, [0, 1, 2])
     rounds.lost(2, "gone")
     self.assertEqual(rounds.join(0, _join(attempt=1), first=False), [])
-    self.assertEqual(rounds.join(1, _join(attempt=0), first=False), [],
-                     "a join from before the restart counts for nothing")
     out = rounds.join(1, _join(attempt=1), first=False)
     self.assertEqual(_kinds(out), {0: ["cluster"], 1: ["cluster"]})
     self.assertEqual(out[0][1]["attempt"], 1)
 
-  @parameterized.named_parameters(
-      ("below_max_restarts_to_admit_it", 2, 2, "stop"),
-      ("no_restart_left_waits", 2, 0, "wait"),
-  )
-  def test_a_newcomer_while_running(self, running, restarts, kind):
-    rounds = self._rounds(2, 3, restarts=restarts)
-    self._start(rounds, list(range(running)))
+  def test_a_member_not_back_by_the_last_call_is_left_out(self):
+    """Every round has a last call: a member whose heartbeat goes on but
+    which does not join again waits for the next restart, and its late
+    join is one."""
+    rounds = self._rounds(2, 3, last_call=5.0)
+    self._start(rounds, [0, 1, 2])
+    rounds.failed(0, {"attempt": 0, "role": "worker:0", "code": 3})
+    self.clock.now = 10
+    self.assertEqual(rounds.join(0, _join(attempt=1), first=False), [])
+    self.assertEqual(rounds.join(1, _join(attempt=1), first=False), [])
+    self.clock.now = 14.9
+    self.assertEqual(rounds.tick(), [])
+    self.clock.now = 15
+    out = rounds.tick()
+    self.assertEqual(_kinds(out), {0: ["cluster"], 1: ["cluster"],
+                                   2: ["wait"]})
+    self.assertEqual(dict(out)[0]["late"], [2])
+    self.assertIn("node 2 did not join again by the last call (5 s)",
+                  dict(out)[2]["why"])
+    out = rounds.join(2, _join(attempt=1), first=False)
+    self.assertEqual([(m["kind"], m["restart"], m["why"]) for _, m in out],
+                     [("stop", 2, "node 2 joined")] * 3)
+    self.assertEqual(rounds.failures, 1)  # The failure alone.
+
+  def test_the_last_call_ends_by_the_rounds_deadline(self):
+    """MIN joined and the timeout passed before the last call: the round
+    starts, never the error that too few joined."""
+    self.clock = _Clock()
+    rounds = rounds_lib.Rounds(min_nodes=2, max_nodes=3, max_restarts=0,
+                               timeout=60, last_call=100,
+                               clock=self.clock)
+    self.clock.now = 59
+    self._start(rounds, [0, 1])
+    self.clock.now = 60.5
+    self.assertEqual(_kinds(rounds.tick()), {0: ["cluster"], 1: ["cluster"]})
+
+  def test_a_newcomer_while_running_restarts_for_free(self):
+    rounds = self._rounds(2, 3, restarts=0)
+    self._start(rounds, [0, 1])
     self.clock.now = 5
     rounds.tick()
     out = rounds.join(2, _join(), first=True)
-    self.assertIn(kind, {m["kind"] for _, m in out})
-    if kind == "stop":
-      self.assertEqual(out[0][1]["why"], "node 2 joined")
-      rounds.join(0, _join(attempt=1), first=False)
-      out = rounds.join(1, _join(attempt=1), first=False)
-      self.assertEqual(sorted(_kinds(out)), [0, 1, 2])
+    self.assertEqual([(m["kind"], m["restart"], m["why"]) for _, m in out],
+                     [("stop", 1, "node 2 joined")] * 3)
+    rounds.join(0, _join(attempt=1), first=False)
+    out = rounds.join(1, _join(attempt=1), first=False)
+    self.assertEqual(sorted(_kinds(out)), [0, 1, 2])
+
+  def test_what_the_tasks_see_of_each_round(self):
+    rounds = self._rounds(2, 3, restarts=2)
+    seen = [local.job_variables(dict(self._start(rounds, [0, 1, 2]))[0],
+                                "run-7")]
+    rounds.failed(1, {"attempt": 0, "role": "worker:1", "code": 3})
+    rounds.lost(2, "gone")
+    rounds.join(0, _join(attempt=1), first=False)
+    seen.append(local.job_variables(
+        dict(rounds.join(1, _join(attempt=1), first=False))[0], "run-7"))
+    self.assertEqual(seen, [
+        {"TFDIST_RESTART": "0", "TFDIST_RESTART_COUNT": "0",
+         "TFDIST_MAX_RESTARTS": "2", "TFDIST_RUN_ID": "run-7",
+         "TFDIST_NNODES": "3"},
+        {"TFDIST_RESTART": "1", "TFDIST_RESTART_COUNT": "1",
+         "TFDIST_MAX_RESTARTS": "2", "TFDIST_RUN_ID": "run-7",
+         "TFDIST_NNODES": "2"}])
 
   def test_finish_once_every_trainer_is_done(self):
     rounds = self._rounds(2, 2)
     self._start(rounds, [0, 1])
     self.assertEqual(rounds.done(0), [])
     self.assertEqual(_kinds(rounds.done(1)), {0: ["finish"], 1: ["finish"]})
+
+  def test_a_node_late_for_all_of_it_learns_how_the_job_ended(self):
+    rounds = self._rounds(1, 3)
+    self._start(rounds, [0])
+    self.clock.now = 5
+    rounds.tick()
+    self.assertEqual(_kinds(rounds.done(0)), {0: ["finish"]})
+    self.assertEqual(rounds.join(2, _join(), first=True),
+                     [(2, {"kind": "finish"})])
 
   def test_a_layout_that_cannot_work_is_an_error_with_2(self):
     rounds = self._rounds(2, 2)
@@ -187,11 +270,11 @@ def _launchers(count, *, nnodes, extra=(), program=(), port=None):
 @pytest.mark.timeout(180)
 class LoopbackTest(parameterized.TestCase):
 
-  def test_a_lost_node_restarts_the_rest_at_the_new_size(self):
+  def test_a_lost_node_restarts_the_rest_for_free_at_the_new_size(self):
+    """No --max-restarts: a lost node spends no restart, and at once (no
+    backoff); the tasks see the round, its size and the job."""
     commands, env = _launchers(
-        3, nnodes="2:3", extra=["--max-restarts", "1",
-                                "--restart-delay-seconds", "0"],
-        program=[sys.executable, TASK, "envwait", "4"])
+        3, nnodes="2:3", program=[sys.executable, TASK, "envwait", "4"])
     with cluster_utils.Tasks(commands=commands, envs=[env] * 3,
                              cwd=cluster_utils.REPO,
                              merge_stderr=True) as tasks:
@@ -202,12 +285,18 @@ class LoopbackTest(parameterized.TestCase):
       outs = [tasks.stdout(i) for i in (0, 1)]
     self.assertEqual(codes, [0, 0], outs)
     for out in outs:
-      self.assertRegex(out, r"tfdist: restart 1 of 1 after 0 s: node 2's "
-                            r"launcher went away .*; 3 nodes, now 2")
-      sizes = [len(json.loads(l.split("env=", 1)[1])["cluster"]["worker"])
-               for l in out.splitlines() if "env=" in l]
-      self.assertEqual(sizes, [3, 2])
-    self.assertIn("[worker:0] env=", outs[0].split("restart 1")[1],
+      self.assertRegex(out, r"tfdist: members changed \(round 1, no restart "
+                            r"spent\): node 2's launcher went away .*; 3 "
+                            r"nodes, now 2")
+      envs = [json.loads(l.split("env=", 1)[1]) for l in out.splitlines()
+              if "env=" in l]
+      self.assertEqual([len(e["cluster"]["worker"]) for e in envs], [3, 2])
+      self.assertEqual([e["job"] for e in envs], [
+          {"TFDIST_RESTART": str(n), "TFDIST_RESTART_COUNT": "0",
+           "TFDIST_MAX_RESTARTS": "0",
+           "TFDIST_RUN_ID": spec_lib.run_id_of(SECRET),
+           "TFDIST_NNODES": str(nodes)} for n, nodes in ((0, 3), (1, 2))])
+    self.assertIn("[worker:0] env=", outs[0].split("members changed")[1],
                   "the chief stays on node 0")
 
 
@@ -225,15 +314,14 @@ class BedTest(absltest.TestCase):
     return bed.command(f"h{rank}", LAUNCH + [
         "--nnodes", "2:3", "--node-rank", str(rank), "--master-addr",
         bed.address("h0"), "--master-port", "29500", "--last-call-seconds",
-        "3", "--max-restarts", "4", "--restart-delay-seconds", "0",
-        "--grace-seconds", "5", "--", sys.executable,
+        "3", "--grace-seconds", "5", "--", sys.executable,
         os.path.join(cluster_utils.SCRIPTS, fault_runs.JOB),
         "multi_worker_mirrored", "fit", backup, "--sleep", "0.4", "--batch",
         "12"])
 
   def test_late_and_cut_off_nodes(self):
-    """One run, two restarts: node 2 starts late (admitted), then its link
-    is cut (the rest go on).
+    """One run, two changes of members, without --max-restarts: node 2
+    starts late (admitted), then its link is cut (the rest go on).
 
     A SIGKILLed launcher is `LoopbackTest`'s; a node that comes back joins
     as a late one does (a new launcher's first join).
@@ -253,15 +341,17 @@ class BedTest(absltest.TestCase):
             tasks.start(2)  # Late: admitted by a restart.
           else:
             bed.cut("h2")
-          tasks.wait_for(0, lambda l, n=restart: f"restart {n} of 4" in l, 120)
+          tasks.wait_for(0, lambda l, n=restart: f"(round {n}," in l, 120)
           if event == "join":
             tasks.wait_for(2, lambda l: l.startswith("[worker:2] step "), 180)
         codes = [tasks.wait(i, 300) for i in (0, 1)]
         outs = [tasks.stdout(i) for i in (0, 1)]
     self.assertEqual(codes, [0, 0], outs)
     for out in outs:
-      for line in (r"restart 1 of 4 after 0 s: node 2 joined; 2 nodes, now 3",
-                   r"restart 2 of 4 after 0 s: .*; 3 nodes, now 2"):
+      for line in (r"members changed \(round 1, no restart spent\): node 2 "
+                   r"joined; 2 nodes, now 3",
+                   r"members changed \(round 2, no restart spent\): .*; 3 "
+                   r"nodes, now 2"):
         self.assertRegex(out, line)
       result = json.loads(next(l for l in reversed(out.splitlines())
                                if re.match(r"\[worker:\d\] \{", l))

@@ -22,6 +22,7 @@ import stalls
 import tfdist
 from tfdist import _net
 from tfdist import launch
+from tfdist.launch import spec as launch_spec
 
 TASK = os.path.join(cluster_utils.SCRIPTS, "launch_task.py")
 LAUNCH = [sys.executable, "-m", "tfdist", "launch"]
@@ -167,6 +168,33 @@ class LaunchSpecTest(absltest.TestCase):
       spec.num_workers = 2  # type: ignore[misc]
     with self.assertRaises(TypeError):
       launch.LaunchSpec(("python", "t.py"))  # pylint: disable=too-many-function-args
+
+
+@pytest.mark.beside
+class RunIdTest(parameterized.TestCase):
+  """``--run-id``: checked when the spec is built; by default one made
+  from the job secret, the same on every node."""
+
+  @parameterized.named_parameters(
+      ("empty", ""), ("a_space", "a b"), ("a_slash", "a/b"),
+      ("not_ascii", "l\u00e4uft"), ("too_long", "x" * 129), ("a_number", 7))
+  def test_bad_ids_are_named(self, value):
+    with self.assertRaises(tfdist.ConfigError) as raised:
+      launch.LaunchSpec(command=("x",), run_id=value)
+    self.assertEqual(raised.exception.field, "run_id")
+
+  def test_the_default_comes_from_the_secret(self):
+    ids = {s: launch_spec.run_id_of(s) for s in ("a" * 64, "b" * 64)}
+    self.assertEqual(ids["a" * 64], launch_spec.run_id_of("a" * 64))
+    self.assertNotEqual(ids["a" * 64], ids["b" * 64])
+    self.assertTrue(all(re.fullmatch("[0-9a-f]{12}", i)
+                        for i in ids.values()))
+    spec = launch.LaunchSpec(command=(sys.executable, "-c", "pass"),
+                             env={_net.JOB_SECRET_VARIABLE: "a" * 64})
+    self.assertEqual(launch.preflight(spec).run_id, ids["a" * 64])
+    given = launch.LaunchSpec(command=spec.command, env=spec.env,
+                              run_id="resnet-2026.11_27")
+    self.assertEqual(launch.preflight(given).run_id, "resnet-2026.11_27")
 
 
 @pytest.mark.timeout(120)
@@ -466,6 +494,13 @@ class LaunchBadInputTest(parameterized.TestCase):
                                       "--ps", "1"] + _NODE, "--node-rank: received 1"),
       ("last_call_negative", ["--last-call-seconds", "-1"],
        "--last-call-seconds"),
+      ("last_call_not_a_number", ["--last-call-seconds", "soon"],
+       "--last-call-seconds"),
+      ("last_call_nan", ["--last-call-seconds", "nan"],
+       "--last-call-seconds"),
+      ("run_id_empty", ["--run-id", ""], "--run-id: received ''"),
+      ("run_id_other_characters", ["--run-id", "my run/1"],
+       "--run-id: received 'my run/1'"),
   )
   def test_bad_flags(self, flags, needle):
     self._assert_usage_error(flags + ["--", sys.executable, TASK, "ok"], needle)

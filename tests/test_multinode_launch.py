@@ -278,12 +278,17 @@ class StrangerTest(parameterized.TestCase):
 OTHER_KERAS = "3.14.0"
 
 
+_RUNS = (" (every node must run the same tfdist, TensorFlow, Keras, Python "
+         "and script)")
+_SETTINGS = " (every node needs the same --nnodes and --run-id)"
+
+
 @pytest.mark.timeout(240)
 class NodeMatchTest(parameterized.TestCase):
-  """Node 0 compares what every node runs: another release or script is
-  refused on both sides in one line and the refused node exits 2, while
-  the job goes on (``--nnodes 1:2``); other arguments alone are warned
-  about."""
+  """Node 0 compares what every node runs, and its --nnodes and --run-id:
+  another release, script or setting is refused on both sides in one line
+  naming both values and the refused node exits 2, while the job goes on
+  (``--nnodes 1:2``); other arguments alone are warned about."""
 
   def _folder(self):
     folder = tempfile.mkdtemp()
@@ -313,27 +318,36 @@ class NodeMatchTest(parameterized.TestCase):
     return [sys.executable, path, "envwait", "5"]
 
   @parameterized.named_parameters(
-      ("another_keras", "envs", "Keras {theirs} on node 1, {ours} on node 0"),
+      ("another_keras", "envs", "Keras {theirs} on node 1, {ours} on node 0"
+       + _RUNS),
       ("an_edited_script", "launched",
        "script launch_task.py (sha256 {theirs}) on node 1, launch_task.py "
-       "(sha256 {ours}) on node 0"),
+       "(sha256 {ours}) on node 0" + _RUNS),
+      ("another_nnodes", ["--nnodes", "1:3"],
+       "--nnodes 1:3 on node 1, 1:2 on node 0" + _SETTINGS),
+      ("another_run_id", ["--run-id", "other"],
+       f"--run-id other on node 1, {spec_lib.run_id_of(SECRET)} on node 0"
+       + _SETTINGS),
   )
-  def test_refused_on_both_sides_and_the_job_goes_on(self, what, field):
+  def test_refused_on_both_sides_and_the_job_goes_on(self, what, why):
+    """Node 1 differs in what it runs, or in its flags (``what``)."""
+    other, ours, theirs, flags = {}, "", "", []
     if what == "envs":
       other = {"envs": {1: self._other_keras()}}
       ours, theirs = importlib.metadata.version("keras"), OTHER_KERAS
-    else:
+    elif what == "launched":
       other = {"launched": {1: self._edited_script()}}
       ours, theirs = (_sha256(p)[:12] for p in (TASK, other["launched"][1][1]))
+    else:
+      flags = what
     # Node 0 runs 10 s or more: node 1 is in well before it ends.
-    tasks, _ = _nodes([[], []], nnodes="1:2", mode=["envwait", "5"],
+    tasks, _ = _nodes([[], flags], nnodes="1:2", mode=["envwait", "5"],
                       extra=["--last-call-seconds", "5"], **other)
     with tasks:
       codes = tasks.wait_all(90)
       outs = [tasks.stdout(0), tasks.stdout(1)]
     self.assertEqual(codes, [0, 2], outs)
-    why = (field.format(ours=ours, theirs=theirs) + " (every node must run "
-           "the same tfdist, TensorFlow, Keras, Python and script)")
+    why = why.format(ours=ours, theirs=theirs)
     said = [[l for l in out.splitlines() if l.startswith("tfdist: ")]
             for out in outs]
     self.assertEqual(said, [[f"tfdist: rendezvous: refused node 1: {why}"],

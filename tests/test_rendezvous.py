@@ -30,6 +30,7 @@ import pytest
 from tfdist import _net
 from tfdist import _secret
 from tfdist.launch import rendezvous
+from tfdist.launch import rounds
 
 import cluster_utils
 import stalls
@@ -360,6 +361,27 @@ class UnresolvableMasterTest(parameterized.TestCase):
     self.assertIn(f"'{value}'", lines[0])
     self.assertNotIn("--master-port", lines[0])
     self.assertLess(took, 15)
+
+
+@pytest.mark.beside
+class DisagreementTest(parameterized.TestCase):
+  """The settings every node must share with node 0, compared."""
+
+  @parameterized.named_parameters(
+      ("same", {"--nnodes": "2:3", "--run-id": "r"}, None),
+      ("other_nnodes", {"--nnodes": "2", "--run-id": "r"},
+       "--nnodes 2 on node 4, 2:3 on node 0 (every node needs the same "
+       "--nnodes and --run-id)"),
+      ("both", {"--nnodes": "3", "--run-id": "s"},
+       "--nnodes 3 on node 4, 2:3 on node 0; --run-id s on node 4, r on "
+       "node 0 (every node needs the same --nnodes and --run-id)"),
+      ("an_older_tfdist_says_nothing", None,
+       "--nnodes unset on node 4, 2:3 on node 0; --run-id unset on node 4, "
+       "r on node 0 (every node needs the same --nnodes and --run-id)"),
+  )
+  def test_both_values_named(self, theirs, why):
+    self.assertEqual(rounds.disagreement(
+        {"--nnodes": "2:3", "--run-id": "r"}, theirs, rank=4), why)
 
 
 class ValuesKeptTest(parameterized.TestCase):

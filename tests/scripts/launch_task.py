@@ -21,11 +21,15 @@ Prints its role and pid first. Modes:
   evalfail    the evaluator exits 4 after 2 s, every other task exits 0
   secret      print a digest of TFDIST_JOB_SECRET ("none" when unset)
   env         print "env=" and a JSON object of TF_CONFIG's cluster,
-              CUDA_VISIBLE_DEVICES, TF_CPP_MIN_LOG_LEVEL and the host name,
-              then exit 0 (with ps tasks: the chief after 3 s, the others
-              serve until stopped)
+              CUDA_VISIBLE_DEVICES, TF_CPP_MIN_LOG_LEVEL, the host name and
+              the launcher's TFDIST_* variables ("job"), then exit 0 (with
+              ps tasks: the chief after 3 s, the others serve until stopped)
   envwait S   as env, then sleep S seconds and exit 0 (a round a test can
               interrupt)
+  until DIR   print "job=" and a JSON object of the launcher's TFDIST_*
+              variables and the cluster's worker count, then exit 0 once
+              DIR/end exists; SIGTERM is ignored while the file named by
+              DEAF_WHILE (when set) exists
   progress    worker 0 draws a progress bar of 5 states as Keras's does
               (backspaces, a carriage return, the state; a newline at the
               end), worker 1 prints 3 lines meanwhile; then exit 0
@@ -79,19 +83,34 @@ if mode == "keras_bar":
     for i in range(1, 5):
       bar.update(i, values=[("loss", 1.0 / i)])
   sys.exit(0)
+JOB = {name: os.environ.get(name) for name in (
+    "TFDIST_RESTART", "TFDIST_RESTART_COUNT", "TFDIST_MAX_RESTARTS",
+    "TFDIST_RUN_ID", "TFDIST_NNODES")}
 if mode in ("env", "envwait"):
   import socket
   print("env=" + json.dumps({
       "cluster": json.loads(os.environ["TF_CONFIG"])["cluster"],
       "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
       "log_level": os.environ.get("TF_CPP_MIN_LOG_LEVEL"),
-      "hostname": socket.gethostname()}), flush=True)
+      "hostname": socket.gethostname(), "job": JOB}), flush=True)
   if "ps" in json.loads(os.environ["TF_CONFIG"])["cluster"]:
     if task["type"] != "chief":
       sleep_forever()  # A server, until the chief is done.
     time.sleep(3)  # The servers print meanwhile.
   if mode == "envwait":
     time.sleep(float(sys.argv[2]))
+  sys.exit(0)
+if mode == "until":
+  deaf = os.environ.get("DEAF_WHILE")
+  signal.signal(signal.SIGTERM, lambda signum, frame: None if deaf and
+                os.path.exists(deaf) else sys.exit(143))
+  workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+  print("job=" + json.dumps({**JOB, "workers": workers}), flush=True)
+  deadline = time.monotonic() + 150  # Bounded even if nobody ends it.
+  while not os.path.exists(os.path.join(sys.argv[2], "end")):
+    if time.monotonic() > deadline:
+      sys.exit(9)
+    time.sleep(0.25)
   sys.exit(0)
 if mode == "fail1":
   if role == "worker:1":

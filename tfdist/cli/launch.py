@@ -40,12 +40,14 @@ _FLAGS: _args.FlagTable = {
         help="also write each task's output to DIR/TYPE-INDEX.log")),
     "max_restarts": ("--max-restarts", dict(
         type=int, metavar="K",
-        help="relaunch the cluster up to K times after a failure")),
+        help="relaunch the cluster up to K times after a task failed (node "
+             "0's K counts); a node lost or joining spends none")),
     "restart_delay_seconds": ("--restart-delay-seconds", dict(
         type=float, metavar="S",
-        help="wait before the first restart; it doubles before each "
-             f"further one, up to {launch_lib.MAX_RESTART_DELAY_SECONDS:g} "
-             "s")),
+        help="wait before the first restart after a failure; it doubles "
+             "before each further one, up to "
+             f"{launch_lib.MAX_RESTART_DELAY_SECONDS:g} s. A change of "
+             "members restarts at once")),
     "grace_seconds": ("--grace-seconds", dict(
         type=float, metavar="S",
         help="time a task gets to exit after SIGTERM")),
@@ -56,13 +58,18 @@ _FLAGS: _args.FlagTable = {
              "--nnodes, --master-addr and --master-port; --workers, --ps, "
              "--chief and --evaluator then count this node's tasks. MIN:MAX "
              "is an elastic job: it starts with MAX nodes, or MIN or more "
-             "after --last-call-seconds, and restarts at the new size when "
-             "a node is lost or joins (each restart counts against "
-             "--max-restarts)")),
+             "at the last call, and restarts at the new size when a node "
+             "is lost or joins, spending no restart")),
     "last_call_seconds": ("--last-call-seconds", dict(
         type=float, metavar="S",
-        help="how long an elastic job waits for more nodes once MIN "
-             "joined")),
+        help="how long each round of an elastic job waits for more nodes "
+             "once MIN joined; a node not (back) by then joins at the next "
+             "restart")),
+    "run_id": ("--run-id", dict(
+        metavar="ID",
+        help="the job's name, the same on every node, in TFDIST_RUN_ID: "
+             "letters, digits, -, _ and . (default: 12 hex digits of a "
+             "hash of the job secret)")),
     "node_rank": ("--node-rank", dict(
         type=int, metavar="R", help="this node's rank, 0 to MAX-1; node 0 runs "
                                     "the rendezvous and holds the chief")),
@@ -71,7 +78,9 @@ _FLAGS: _args.FlagTable = {
     "master_port": ("--master-port", dict(
         type=int, metavar="PORT", help="the rendezvous port on node 0")),
     "rendezvous_timeout_seconds": ("--rendezvous-timeout-seconds", dict(
-        type=float, metavar="S", help="time for every node to join")),
+        type=float, metavar="S",
+        help="time each round may wait for enough nodes to join (all, or "
+             "MIN)")),
     "secret_file": ("--secret-file", dict(
         metavar="FILE",
         help="a file (mode 600) holding the job's shared secret, when "

@@ -15,9 +15,10 @@ cluster comes from a rendezvous (`tfdist.launch.rendezvous`): on one node
    saved at) and stops the round; ``finish`` (every
    training task done) gives the evaluator ``grace_seconds``, then stops the
    servers; ``stop`` ends the round, and the job unless it names the next
-   round, which every node joins after ``restart_delay_seconds`` (doubling,
-   at most `MAX_RESTART_DELAY_SECONDS`). Each task sees the round in
-   ``TFDIST_RESTART`` (0 on the first).
+   round, which every node joins at once after a change of members, and
+   after ``restart_delay_seconds`` after a failure (doubling with each,
+   at most `MAX_RESTART_DELAY_SECONDS`). Each task sees the job as torchrun's
+   see theirs (`job_variables`).
 
 Every task leads a process group (and session) of its own and dies with the
 launcher: SIGINT, SIGTERM and SIGUSR1 are forwarded to every task, SIGHUP as
@@ -77,7 +78,7 @@ from tfdist.launch.spec import Prepared
 from tfdist.launch.spec import make_dirs
 from tfdist.launch.spec import preflight
 
-__all__ = ["Launcher", "launch"]
+__all__ = ["Launcher", "launch", "job_variables"]
 
 _SOURCE = "LaunchSpec"
 #: The launcher's signal -> what its tasks get: SIGUSR1 (SLURM's
@@ -98,9 +99,11 @@ _INTRA_OP = "TF_NUM_INTRAOP_THREADS"
 
 @dataclasses.dataclass(frozen=True)
 class _Outcome:
-  """How one node's round ended: its exit code, or the round to join."""
+  """How one node's round ended: its exit code, or the round to join and
+  how long to wait first."""
   code: int
   restart: int | None = None
+  delay: float = 0.0
 
 
 @dataclasses.dataclass
@@ -158,6 +161,7 @@ class Launcher:
         member = rendezvous.Member(
             master=(spec.master_addr, spec.master_port), rank=spec.node_rank,
             secret=prepared.secret.encode(), node=prepared.node,
+            agree=_agreed(spec, prepared),
             timeout=spec.rendezvous_timeout_seconds, stop=self._stopping,
             say=self._console.say)
         host = spec.host or member.local_address
@@ -166,24 +170,19 @@ class Launcher:
           log_dir=spec.log_dir, stall_seconds=spec.stall_seconds,
           say=self._console.say, source=_SOURCE,
           share=member.send if spec.node_rank else None)
-      attempt, delay = 0, 0.0
+      outcome = _Outcome(0, restart=0)
       while True:
-        placed = member.join(attempt=attempt, host=host, jobs=spec.jobs,
-                             evaluator=spec.evaluator, ports=spec.ports(host))
+        placed = member.join(attempt=outcome.restart, host=host,
+                             jobs=spec.jobs, evaluator=spec.evaluator,
+                             ports=spec.ports(host))
         if "why" in placed:  # A restart.
-          self._console.say(self._restart_line(placed, delay))
-        attempt = placed["attempt"]
-        configs = [{"cluster": placed["cluster"],
-                    "task": {"type": kind, "index": index}}
-                   for kind, index in placed["places"]]
+          self._console.say(self._restart_line(placed, outcome.delay))
         if self._signal is not None:
           return 128 + self._signal
-        outcome = self._run_round(attempt, configs, member, prepared)
+        outcome = self._run_round(placed, member, prepared)
         if outcome.restart is None:
           return outcome.code
-        attempt = outcome.restart
-        delay = spec.restart_delay(attempt)
-        if not self._sleep(delay):
+        if not self._sleep(outcome.delay):
           return 128 + self._signal
     except rendezvous.RendezvousError as e:
       self._console.say(f"node {spec.node_rank}: {e}")
@@ -206,6 +205,7 @@ class Launcher:
           address=(spec.master_addr, spec.master_port), nnodes=spec.nnodes,
           min_nodes=spec.min_nodes, last_call=spec.last_call_seconds,
           secret=prepared.secret.encode(), node=prepared.node,
+          agree=_agreed(spec, prepared),
           timeout=spec.rendezvous_timeout_seconds,
           max_restarts=spec.max_restarts, log=self._console.stream,
           on_report=self._merge_report)
@@ -218,10 +218,15 @@ class Launcher:
           hint=f"{e.strerror or e}; --master-addr must be an address of "
                "node 0 and the port free") from None
 
-  def _run_round(self, attempt: int, configs: list[dict], member,
+  def _run_round(self, placed: dict, member,
                  prepared: Prepared) -> _Outcome:
-    """Runs this node's part of one round until the rendezvous ends it."""
-    self._start_all(attempt, configs, prepared)
+    """Runs this node's part of the round ``placed`` (the rendezvous's
+    ``cluster`` message) until the rendezvous ends it."""
+    attempt = placed["attempt"]
+    configs = [{"cluster": placed["cluster"],
+                "task": {"type": kind, "index": index}}
+               for kind, index in placed["places"]]
+    self._start_all(placed, configs, prepared)
     servers = "ps" in configs[0]["cluster"]  # Workers only serve under PS.
     trainers = [t for t in self._tasks
                 if t.kind == "chief" or (t.kind == "worker" and not servers)]
@@ -252,8 +257,10 @@ class Launcher:
           if message.get("restart") is None and self._spec.nnodes > 1:
             self._console.say(
                 f"node {self._spec.node_rank} stops: {message['why']}")
-          return _Outcome(_exit_code(message.get("code", 1)),
-                          message.get("restart"))
+          return _Outcome(
+              _exit_code(message.get("code", 1)), message.get("restart"),
+              self._spec.restart_delay(message["failures"])
+              if message.get("failure") else 0.0)
       if failed:
         continue
       for t in self._tasks:
@@ -265,7 +272,7 @@ class Launcher:
                        "attempt": attempt})
           self._console.failure(
               t.role, code, t.tail,
-              restarting=attempt < self._spec.max_restarts)
+              restarting=placed["failures"] < placed["max_restarts"])
           self._flight.failed(t.role, code, self._pids(), self._tails())
           self._stop_all()
           break
@@ -275,12 +282,21 @@ class Launcher:
         member.send({"kind": "done"})
 
   def _restart_line(self, placed: dict, delay: float) -> str:
-    """The one line of a restart: its number, the wait, why, and on several
-    nodes the sizes before and after."""
-    line = (f"restart {placed['attempt']} of {self._spec.max_restarts} after "
-            f"{delay:g} s: {placed['why']}")
+    """The one line of a restart: after a failure its number and wait, else
+    that members changed; why; on several nodes the sizes before and
+    after, and the nodes left out at the last call."""
+    if placed["failure"]:
+      line = (f"restart {placed['failures']} of {placed['max_restarts']} "
+              f"after {delay:g} s: {placed['why']}")
+    else:
+      line = (f"members changed (round {placed['attempt']}, no restart "
+              f"spent): {placed['why']}")
     if self._spec.nnodes > 1:
       line += f"; {placed['previous']} nodes, now {len(placed['nodes'])}"
+    if placed.get("late"):
+      line += (f" (not back by the last call: node"
+               f"{'s' if len(placed['late']) > 1 else ''} "
+               f"{', '.join(map(str, placed['late']))})")
     return line
 
   def _finish_evaluator(self) -> _Task | None:
@@ -296,7 +312,7 @@ class Launcher:
           return t
     return None
 
-  def _start_all(self, attempt: int, configs: list[dict],
+  def _start_all(self, placed: dict, configs: list[dict],
                  prepared: Prepared) -> None:
     """Starts every task, then their readers (so no thread runs while the
     launcher forks), or none: a task that cannot start stops the others."""
@@ -306,8 +322,8 @@ class Launcher:
     # TensorFlow's C++ chatter, unless the user asked for a level: level 2,
     # and the start-up lines that ignore it dropped from the console.
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env.update(TFDIST_RESTART=str(attempt), PYTHONUNBUFFERED="1",
-               **self._flight.env(attempt))
+    env.update(job_variables(placed, prepared.run_id), PYTHONUNBUFFERED="1",
+               **self._flight.env(placed["attempt"]))
     if len(configs) > 1 and _INTRA_OP not in env:
       env[_INTRA_OP] = str(max(1, _cores() // len(configs)))
     paths = [os.path.join(self._spec.log_dir,
@@ -418,6 +434,26 @@ def launch(spec: LaunchSpec, *, out: TextIO | None = None,
       not be created; no task is left running.
   """
   return Launcher(spec, out=out, resume=resume).run()
+
+
+def job_variables(placed: dict, run_id: str) -> dict[str, str]:
+  """What each task of round ``placed`` (the rendezvous's ``cluster``
+  message) learns of the job, as torchrun's tasks do from its
+  ``TORCHELASTIC_*`` variables."""
+  return {
+      "TFDIST_RESTART": str(placed["attempt"]),  # The round: 0, 1, ...
+      "TFDIST_RESTART_COUNT": str(placed["failures"]),  # Restarts spent.
+      "TFDIST_MAX_RESTARTS": str(placed["max_restarts"]),
+      "TFDIST_RUN_ID": run_id,
+      "TFDIST_NNODES": str(len(placed["nodes"])),  # This round's nodes.
+  }
+
+
+def _agreed(spec: LaunchSpec, prepared: Prepared) -> dict[str, str]:
+  """The settings every node of a job must share with node 0."""
+  nodes = (str(spec.nnodes) if spec.min_nodes == spec.nnodes
+           else f"{spec.min_nodes}:{spec.nnodes}")
+  return {"--nnodes": nodes, "--run-id": prepared.run_id}
 
 
 def _cores() -> int:

@@ -19,22 +19,24 @@ address only); every launcher, node 0's included, joins it as a `Member`:
 2. **Join.** Each member sends its node rank, the address the others should
    dial it at, and its tasks (chief, workers, ps, evaluator) with ports it
    picked free on its own host.
+   A node whose ``--nnodes`` or ``--run-id`` differs from node 0's, or
+   that runs another release or script (`fingerprint`), is refused.
 3. **Cluster.** Once enough nodes joined (`Rounds`: all N, or for
-   ``--nnodes MIN:MAX`` MAX, or MIN or more after the last call; within
+   ``--nnodes MIN:MAX`` MAX, or MIN or more at the last call; within
    ``timeout``), the master checks the whole cluster (one chief when there
    is a ps, at most one evaluator, a worker somewhere) and sends each node
    the cluster and its tasks' places, dense in node-rank order, so node 0
    (which holds the rendezvous) holds the chief; a layout that cannot work
    is sent to every node as an error instead.
 4. **Watch.** Both sides send a heartbeat every `HEARTBEAT_SECONDS`; silence
-   for `SILENCE_SECONDS`, or a closed connection, means the peer is lost. A
-   member reports a failed task (``failed``) or that its training tasks
-   finished (``done``). A failed task, a lost node or (below MAX) a new one
-   ends the round: the master sends every node ``stop``, with the next
-   round's number while restarts remain and MIN or more nodes are left
-   (they stop their tasks and join again), or for good; once every node
-   with training tasks is done, ``finish``. A node that comes back under
-   its rank replaces its old, silent connection.
+   for `SILENCE_SECONDS`, or a closed connection, means the peer is lost (a
+   silent node is told so, should it wake). A member reports a failed task
+   (``failed``) or that its training tasks finished (``done``). A failed
+   task, a lost node or (below MAX) a new one ends the round: the master
+   sends every node ``stop``, with the next round's number (they stop their
+   tasks and join again) or for good; once every node with training tasks
+   is done, ``finish``. A node that comes back under its rank replaces its
+   old, silent connection.
 
 So from a failure anywhere to every node stopping its tasks takes at most
 `SILENCE_SECONDS` plus one heartbeat (a launcher that hangs or a cut link)
@@ -72,6 +74,7 @@ from tfdist.launch import fingerprint
 from tfdist.launch.rounds import Outbox
 from tfdist.launch.rounds import RendezvousError
 from tfdist.launch.rounds import Rounds
+from tfdist.launch.rounds import disagreement
 
 __all__ = ["Master", "Member", "RendezvousError", "HEARTBEAT_SECONDS",
            "SILENCE_SECONDS", "MAX_MESSAGE_BYTES"]
@@ -147,14 +150,16 @@ class _Channel:
 
 def _read(sock: socket.socket, n: int, deadline: float) -> bytes:
   """``n`` bytes, all by monotonic ``deadline`` (not a timeout per byte);
-  ``TimeoutError`` when late."""
+  ``TimeoutError`` when late. Bytes that came in time count after it too:
+  a process stopped (SIGSTOP) and continued reads what reached it
+  meanwhile."""
   data = bytearray()
   while len(data) < n:
-    left = deadline - time.monotonic()
-    if left <= 0:
-      raise TimeoutError(f"{len(data)} of {n} bytes in time")
-    sock.settimeout(left)
-    chunk = sock.recv(n - len(data))
+    sock.settimeout(max(0.0, deadline - time.monotonic()))
+    try:
+      chunk = sock.recv(n - len(data))
+    except BlockingIOError:  # Past the deadline, and nothing more came.
+      raise TimeoutError(f"{len(data)} of {n} bytes in time") from None
     if not chunk:
       raise OSError("the connection closed")
     data += chunk
@@ -181,8 +186,11 @@ class Master:
     min_nodes: the fewest nodes it runs on (``nnodes`` by default).
     secret: the job's secret.
     timeout: seconds for enough nodes to join, each round.
-    max_restarts: how many times all nodes restart together.
-    last_call: seconds to wait for more nodes once ``min_nodes`` joined.
+    max_restarts: how many task failures all nodes restart after.
+    last_call: seconds each round waits for more nodes once
+      ``min_nodes`` joined.
+    agree: job settings (flag -> value) every node must share with node 0;
+      a node whose differ is refused, naming both values.
     node: what node 0 runs (`tfdist.launch.fingerprint.take`): a node that
       runs another release or script is refused, one with other arguments
       is warned about; ``None`` compares nothing.
@@ -198,12 +206,14 @@ class Master:
   def __init__(self, *, address: tuple[str, int], nnodes: int, secret: bytes,
                timeout: float, max_restarts: int = 0,
                min_nodes: int | None = None, last_call: float = 0.0,
+               agree: Mapping[str, Any] | None = None,
                node: Mapping[str, Any] | None = None, log=None,
                on_report: Callable[[int, dict], None] | None = None):
     self._rounds = Rounds(min_nodes=min_nodes or nnodes, max_nodes=nnodes,
                           max_restarts=max_restarts, timeout=timeout,
                           last_call=last_call)
     self._nnodes = nnodes
+    self._agree = dict(agree or {})
     self._node = node
     self._log = log or sys.stderr
     self._on_report = on_report
@@ -298,9 +308,11 @@ class Master:
       self._stranger(peer, str(e))
       return
     rank = join.get("rank")
-    known = isinstance(rank, int) and 0 <= rank < self._nnodes
     refused = warning = None
-    if known and self._node is not None:
+    if isinstance(rank, int):
+      refused = disagreement(self._agree, join.get("agree", {}), rank=rank)
+    known = isinstance(rank, int) and 0 <= rank < self._nnodes
+    if known and not refused and self._node is not None:
       refused, warning = fingerprint.compare(self._node, join.get("node"),
                                              rank=rank)
     if refused:
@@ -310,9 +322,9 @@ class Master:
       self._say_once(f"warned {rank} {warning}", f"warning: {warning}")
     with self._lock:
       old = self._members.get(rank)
-      problem = (f"node rank {rank!r} is not from 0 to {self._nnodes - 1}"
+      problem = (f"node 0 refused this node: {refused}" if refused
+                 else f"node rank {rank!r} is not from 0 to {self._nnodes - 1}"
                  if not known
-                 else f"node 0 refused this node: {refused}" if refused
                  else f"node rank {rank} joined twice" if old is not None
                  and time.monotonic() - self._heard[rank] < SILENCE_SECONDS / 2
                  else None)
@@ -333,8 +345,12 @@ class Master:
       try:
         message = channel.receive(SILENCE_SECONDS)
       except socket.timeout:
-        self._lost(rank, channel,
-                   f"node {rank} sent nothing for {SILENCE_SECONDS:g} s")
+        why = f"node {rank} sent nothing for {SILENCE_SECONDS:g} s"
+        # Said first, should it wake: its launcher leaves instead of
+        # taking node 0 for lost.
+        self._send(channel, {"kind": "error", "code": 1,
+                             "why": f"node 0 dropped this node: {why}"})
+        self._lost(rank, channel, why)
         return
       except (OSError, ValueError) as e:
         self._lost(rank, channel, f"node {rank}'s launcher went away ({e})")
@@ -405,6 +421,8 @@ class Member:
     timeout: seconds to reach the master and for enough nodes to join.
     node: what this node runs (`tfdist.launch.fingerprint.take`), sent
       with every join for node 0 to compare.
+    agree: this node's job settings (flag -> value), sent with every join
+      for node 0 to compare (`Master`'s ``agree``).
     stop: once set, every wait here (dialing, proving, `join`) ends within
       `_STEP_SECONDS` with a `RendezvousError`; a launcher's signal handler
       sets it.
@@ -418,9 +436,11 @@ class Member:
 
   def __init__(self, *, master: tuple[str, int], rank: int, secret: bytes,
                timeout: float, node: Mapping[str, Any] | None = None,
+               agree: Mapping[str, Any] | None = None,
                stop: threading.Event | None = None, say=None):
     self._rank = rank
     self._node = dict(node or {})
+    self._agree = dict(agree or {})
     self._timeout = timeout
     self._stop = stop or threading.Event()
     self._say = say or (lambda text: print(f"tfdist: {text}", flush=True))
@@ -429,7 +449,6 @@ class Member:
     self._channel = _Channel(proven.sock, proven.key, dialer=True)
     #: The address the master sees this node at.
     self.local_address = proven.sock.getsockname()[0]
-    self._last = time.monotonic()
     self._alive = True
     threading.Thread(target=self._read, daemon=True,
                      name="tfdist-rendezvous-reader").start()
@@ -481,7 +500,9 @@ class Member:
   def join(self, *, attempt: int, host: str, jobs: Mapping[str, int],
            evaluator: bool, ports: Sequence[int]) -> dict:
     """Sends this node's tasks; returns the ``cluster`` message of round
-    ``attempt`` or a later one (a newcomer joins the round that is on).
+    ``attempt`` or a later one. Told to wait (the job is full, or went on
+    without this node at a last call), it waits for the next restart, or
+    the job's end: no deadline then.
 
     Raises:
       RendezvousError: the layout is refused, the master stops the job or
@@ -489,7 +510,7 @@ class Member:
     """
     join = {"kind": "join", "rank": self._rank, "attempt": attempt,
             "host": host, "jobs": dict(jobs), "evaluator": evaluator,
-            "ports": list(ports), "node": self._node}
+            "ports": list(ports), "node": self._node, "agree": self._agree}
     self.send(join)
     deadline = time.monotonic() + self._timeout + SILENCE_SECONDS
     while time.monotonic() < deadline:
@@ -533,26 +554,24 @@ class Member:
       try:
         message = self._inbox.get(timeout=max(0.0, end - time.monotonic()))
       except queue.Empty:
-        if self._alive and time.monotonic() - self._last > SILENCE_SECONDS:
-          self._alive = False
-          return {"kind": "lost", "code": 1, "why": (
-              f"the rendezvous on node 0 sent nothing for "
-              f"{SILENCE_SECONDS:g} s")}
         return None
       if message["kind"] != "beat":
         return message
 
   def _read(self) -> None:
+    """Queues the master's messages, then ``lost`` (the reader alone
+    judges silence: what came before it is read first)."""
     while True:
       try:
         message = self._channel.receive(SILENCE_SECONDS)
       except (OSError, ValueError) as e:
         if self._alive:
           self._alive = False
-          self._inbox.put({"kind": "lost", "code": 1, "why": (
-              f"lost the rendezvous on node 0 ({e})")})
+          why = (f"the rendezvous on node 0 sent nothing for "
+                 f"{SILENCE_SECONDS:g} s" if isinstance(e, TimeoutError)
+                 else f"lost the rendezvous on node 0 ({e})")
+          self._inbox.put({"kind": "lost", "code": 1, "why": why})
         return
-      self._last = time.monotonic()
       self._inbox.put(message)
 
   def _beat(self) -> None:

@@ -18,7 +18,8 @@ from typing import Any, Mapping, Sequence
 from tfdist.errors import PREEMPTED_EXIT_CODE
 from tfdist.errors import TfdistError
 
-__all__ = ["Rounds", "Solo", "RendezvousError", "layout_problem", "Outbox"]
+__all__ = ["Rounds", "Solo", "RendezvousError", "layout_problem",
+           "disagreement", "Outbox"]
 
 _JOB_ORDER = ("chief", "worker", "ps")
 
@@ -85,19 +86,34 @@ def _cluster(joins: Mapping[int, Mapping[str, Any]]) -> tuple[dict, dict]:
 Outbox = list[tuple[int, dict]]
 
 
+def disagreement(ours: Mapping[str, Any], theirs: Any, *,
+                 rank: int) -> str | None:
+  """Why node ``rank``'s job settings (flag -> value, e.g. ``--nnodes``)
+  differ from node 0's ``ours``, naming both values; or ``None``."""
+  theirs = theirs if isinstance(theirs, Mapping) else {}
+  differ = [f"{flag} {theirs.get(flag, 'unset')} on node {rank}, {value} on "
+            "node 0" for flag, value in ours.items()
+            if theirs.get(flag) != value]
+  if not differ:
+    return None
+  return f"{'; '.join(differ)} (every node needs the same {' and '.join(ours)})"
+
+
 class Rounds:
   """Who trains, round by round: the rendezvous's decisions, without I/O.
 
-  A round gathers joins, then runs. The first round starts when ``max_nodes``
-  joined, or ``min_nodes`` or more once ``last_call`` seconds passed since
-  ``min_nodes`` had joined; a later round starts once every node still
-  connected joined again. A running round ends in ``finish`` (every node with
-  training tasks is done), or in ``stop``: with ``restart`` (the next round's
-  number) while restarts remain and ``min_nodes`` or more nodes are left,
-  else for good. A task that fails, a node that is lost, and a node that
-  joins a running round below ``max_nodes`` each start a restart, and each
-  restart counts against ``max_restarts``. Every method returns the messages
-  to send, as (node rank, message) pairs.
+  A round gathers joins, then runs. It starts at once when ``max_nodes``
+  joined, or (after a restart) when every node still connected joined
+  again; else, once ``min_nodes`` joined, at the last call ``last_call``
+  seconds later, without the nodes that have not joined by then (a later
+  join admits them). ``timeout`` bounds each round's wait for
+  ``min_nodes``. A running round ends in ``finish`` (every node with
+  training tasks is done) or in ``stop``: with ``restart`` (the next
+  round's number) or for good. As in torchrun, a change of members (a node
+  lost; a node new, back, or left out, joining below ``max_nodes``)
+  restarts for free while ``min_nodes`` or more are left; a task that fails
+  spends one of ``max_restarts``. Every method returns the messages to
+  send, as (node rank, message) pairs.
   """
 
   def __init__(self, *, min_nodes: int, max_nodes: int, max_restarts: int,
@@ -106,7 +122,8 @@ class Rounds:
     self._max_restarts = max_restarts
     self._timeout, self._last_call_seconds = timeout, last_call
     self._clock = clock
-    self.attempt = 0
+    self.attempt = 0  # The round's number.
+    self.failures = 0  # Restarts spent.
     self.over = False
     self._members: set[int] = set()  # Connected and proven.
     self._joins: dict[int, dict] = {}  # The round gathering, or running.
@@ -115,29 +132,24 @@ class Rounds:
     self._deadline = clock() + timeout
     self._last_call: float | None = None
     self._restarted: dict[str, Any] = {}  # Why, and the size before.
+    self._ending: dict | None = None  # How the job ended.
 
   def join(self, rank: int, message: dict, *, first: bool) -> Outbox:
-    """Node ``rank`` joins: ``first`` on a new connection (a newcomer
-    joins whatever round is on), else for the round it names."""
-    if self.over:
-      return []
+    """Node ``rank`` (0 to ``max_nodes`` - 1) joins, ``first`` on a new
+    connection; a node outside the running round restarts it for free."""
+    if self.over:  # A node late for all of it learns how it ended.
+      return [(rank, self._ending)] if first and self._ending else []
     if first:
       self._members.add(rank)
-    elif message.get("attempt") != self.attempt:
-      return []  # A join from before a restart.
     if not self._running:
       self._joins[rank] = message
       return self._maybe_start()
-    if not first:
-      return []
-    if len(self._joins) < self._max and self._restarts_left:
-      out = self._stop(f"node {rank} joined", code=0)
-      self._joins[rank] = message
-      return out
-    return [(rank, {"kind": "wait", "why": (
-        f"node {rank} waits: the job runs on {len(self._joins)} nodes and "
-        f"{'is full' if len(self._joins) >= self._max else 'has no restart left'}"
-        "; it joins at the next restart")})]
+    if rank in self._joins:
+      return []  # Already in the running round.
+    # New, back, or left out at a last call: below max_nodes, as ranks are.
+    out = self._stop(f"node {rank} joined", code=0, failure=False)
+    self._joins[rank] = message
+    return out
 
   def failed(self, rank: int, message: dict) -> Outbox:
     """A task of node ``rank`` failed in the round ``message`` names."""
@@ -147,7 +159,8 @@ class Rounds:
     where = f" on node {rank}" if self._max > 1 else ""
     code = message.get("code", 1)
     what = "was preempted" if code == PREEMPTED_EXIT_CODE else "failed"
-    return self._stop(f"task {message.get('role')}{where} {what}", code=code)
+    return self._stop(f"task {message.get('role')}{where} {what}", code=code,
+                      failure=True)
 
   def done(self, rank: int) -> Outbox:
     """Node ``rank``'s training tasks finished."""
@@ -156,8 +169,7 @@ class Rounds:
     self._done.add(rank)
     if not set(_trainer_nodes(self._joins)) <= self._done:
       return []
-    self.over = True
-    return [(r, {"kind": "finish"}) for r in sorted(self._members)]
+    return self._end({"kind": "finish"})
 
   def lost(self, rank: int, why: str) -> Outbox:
     """Node ``rank`` is gone (its connection closed, or it went silent)."""
@@ -169,7 +181,7 @@ class Rounds:
       return self._maybe_start()
     if rank not in self._joins:
       return []  # A node that waited for a restart.
-    return self._stop(why, code=1)
+    return self._stop(why, code=1, failure=False)
 
   def tick(self) -> Outbox:
     """What the clock decides: the last call, or a round not joined in
@@ -177,64 +189,71 @@ class Rounds:
     if self.over or self._running:
       return []
     if self._last_call is not None and self._clock() >= self._last_call:
-      return self._maybe_start()
+      return self._start()
     if self._clock() <= self._deadline:
       return []
-    self.over = True
     if self._min == self._max:
       why = (f"nodes {sorted(set(range(self._max)) - set(self._joins))} did "
              f"not join the rendezvous within {self._timeout:g} s")
     else:
       why = (f"{len(self._joins)} nodes joined the rendezvous within "
              f"{self._timeout:g} s; the job needs {self._min} or more")
-    return [(r, {"kind": "error", "code": 1, "why": why})
-            for r in sorted(self._members)]
-
-  @property
-  def _restarts_left(self) -> bool:
-    return self.attempt < self._max_restarts
+    return self._end({"kind": "error", "code": 1, "why": why})
 
   def _maybe_start(self) -> Outbox:
-    joined = len(self._joins)
-    if joined < self._min:
+    joined = set(self._joins)
+    if len(joined) < self._min:
       self._last_call = None
       return []
-    if self.attempt == 0 and joined < self._max:
-      if self._last_call is None:
-        self._last_call = self._clock() + self._last_call_seconds
-      if self._clock() < self._last_call:
-        return []
-    if self.attempt and joined < self._max and not (
-        set(self._joins) >= self._members):
-      return []  # Wait for every node still connected.
+    if len(joined) >= self._max or (self.attempt and joined >= self._members):
+      return self._start()
+    if self._last_call is None:  # Never past the round's deadline.
+      self._last_call = min(self._clock() + self._last_call_seconds,
+                            self._deadline)
+    return self._start() if self._clock() >= self._last_call else []
+
+  def _start(self) -> Outbox:
     problem = layout_problem(self._joins)
     if problem:
-      self.over = True
-      return [(r, {"kind": "error", "code": 2, "why": problem})
-              for r in sorted(self._members)]
+      return self._end({"kind": "error", "code": 2, "why": problem})
     cluster, places = _cluster(self._joins)
-    self._running, self._done = True, set()
-    return [(r, {"kind": "cluster", "attempt": self.attempt,
-                 "cluster": cluster, "places": places[r],
-                 "nodes": sorted(self._joins), **self._restarted})
-            for r in sorted(self._joins)]
+    late = sorted(self._members - set(self._joins))
+    self._running, self._done, self._last_call = True, set(), None
+    shared = {"kind": "cluster", "attempt": self.attempt, "cluster": cluster,
+              "nodes": sorted(self._joins), "failures": self.failures,
+              "max_restarts": self._max_restarts, **self._restarted}
+    if late:
+      shared["late"] = late
+    return [(r, {**shared, "places": places[r]}) for r in sorted(self._joins)
+            ] + [(r, {"kind": "wait", "why": (
+                f"node {r} did not join again by the last call "
+                f"({self._last_call_seconds:g} s): the job goes on without "
+                "it, and it joins at the next restart")}) for r in late]
 
-  def _stop(self, why: str, *, code: int) -> Outbox:
+  def _stop(self, why: str, *, code: int, failure: bool) -> Outbox:
     """Ends the running round: a restart, or the end of the job."""
     nodes = len(self._members)
-    if self._restarts_left and nodes >= self._min:
-      message = {"kind": "stop", "code": code, "why": why,
-                 "restart": self.attempt + 1}
-      self._restarted = {"why": why, "previous": len(self._joins)}
+    if nodes >= self._min and (not failure
+                               or self.failures < self._max_restarts):
       self.attempt += 1
+      self.failures += failure
+      message = {"kind": "stop", "code": code, "why": why,
+                 "restart": self.attempt, "failure": failure,
+                 "failures": self.failures}
+      self._restarted = {"why": why, "previous": len(self._joins),
+                         "failure": failure}
       self._running, self._joins, self._last_call = False, {}, None
       self._deadline = self._clock() + self._timeout
-    else:
-      self.over = True
-      if nodes < self._min:
-        why += f"; {nodes} nodes left, the job needs {self._min}"
-      message = {"kind": "stop", "code": code or 1, "why": why,
-                 "restart": None}
+      return [(r, message) for r in sorted(self._members)]
+    if nodes < self._min:
+      why += f"; {nodes} nodes left, the job needs {self._min}"
+    return self._end({"kind": "stop", "code": code or 1, "why": why,
+                      "restart": None})
+
+  def _end(self, message: dict) -> Outbox:
+    """Ends the job: ``message`` to every node, and to any that joins
+    later."""
+    self.over, self._ending = True, message
     return [(r, message) for r in sorted(self._members)]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import ipaddress
 import math
 import os
@@ -26,7 +27,7 @@ from tfdist.errors import ConfigError
 from tfdist.launch import fingerprint
 
 __all__ = ["LaunchSpec", "Prepared", "preflight", "job_secret", "gpu_plan",
-           "MAX_RESTART_DELAY_SECONDS", "make_dirs"]
+           "MAX_RESTART_DELAY_SECONDS", "make_dirs", "run_id_of"]
 
 _SOURCE = "LaunchSpec"
 
@@ -43,6 +44,7 @@ _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
                        r"(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 #: ``--nnodes``: N, or MIN:MAX as torchrun spells it.
 _NNODES = re.compile(r"(\d+)(?::(\d+))?")
+_RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LaunchSpec:
@@ -63,27 +65,35 @@ class LaunchSpec:
       by `preflight`). Free ports are picked when ``None``.
     log_dir: also write each task's output to ``<log_dir>/<type>-<index>.log``
       (appended to; the directory is created, before any task starts).
-    max_restarts: relaunch the cluster up to this many times after a failure.
-    restart_delay_seconds: wait before the first restart; each further one
-      waits twice as long, at most `MAX_RESTART_DELAY_SECONDS`.
+    max_restarts: relaunch the cluster up to this many times after a task
+      failed (node 0's counts for the job); a change of members spends none.
+    restart_delay_seconds: wait before the first restart after a failure;
+      each further one waits twice as long, at most
+      `MAX_RESTART_DELAY_SECONDS`. A change of members waits for nothing.
     grace_seconds: how long a task may take to exit after SIGTERM.
     env: extra environment for every task.
     nnodes: the nodes of a multi-node launch, ``N`` or ``"MIN:MAX"`` (an
-      elastic job: it starts with MAX nodes, or with MIN or more once
-      ``last_call_seconds`` passed, and restarts at the new size when nodes
-      are lost or join, while MIN or more are left); each node runs its own
-      launcher with the same ``nnodes``, ``master_addr`` and
+      elastic job: it starts with MAX nodes, or with MIN or more at the
+      last call, and restarts at the new size when nodes are lost or join,
+      while MIN or more are left, spending no restart); each node runs its
+      own launcher with the same ``nnodes``, ``master_addr`` and
       ``master_port``, and the task counts above mean the tasks *on this
       node*. Read back as MAX.
     min_nodes: MIN, when ``nnodes`` is a number; ``nnodes`` by default.
     node_rank: this node's rank, 0 to MAX - 1; node 0 runs the rendezvous
       (`tfdist.launch.rendezvous`) and holds the chief.
-    last_call_seconds: how long an elastic job waits for more nodes once MIN
-      have joined, before it starts without MAX.
+    last_call_seconds: how long each round of an elastic job waits for
+      more nodes once MIN have joined, before it starts without them (a
+      round after a restart starts at once when every node still connected
+      joined again).
+    run_id: the job's name, the same on every node (``TFDIST_RUN_ID`` in
+      every task): letters, digits, ``-``, ``_`` and ``.``. By default the
+      first 12 hex digits of a SHA-256 of the job secret (`run_id_of`).
     master_addr: node 0's address as every node reaches it (the rendezvous
       listens there only); needed when ``nnodes > 1``.
     master_port: the rendezvous port on node 0; needed when ``nnodes > 1``.
-    rendezvous_timeout_seconds: how long every node may take to join.
+    rendezvous_timeout_seconds: how long each round may wait for enough
+      nodes (all, or MIN) to join.
     secret_file: a file holding the job's shared secret (readable by its
       owner only), when ``TFDIST_JOB_SECRET`` is not set; a multi-node launch
       needs one of them, the same on every node.
@@ -113,6 +123,7 @@ class LaunchSpec:
   min_nodes: int | None = None
   node_rank: int = 0
   last_call_seconds: float = 10.0
+  run_id: str | None = None
   master_addr: str | None = None
   master_port: int | None = None
   rendezvous_timeout_seconds: float = 300.0
@@ -150,6 +161,13 @@ class LaunchSpec:
              zero=False)
     _seconds("last_call_seconds", self.last_call_seconds, zero=True)
     _seconds("stall_seconds", self.stall_seconds, zero=True)
+    if self.run_id is not None and not (
+        isinstance(self.run_id, str) and _RUN_ID.fullmatch(self.run_id)):
+      raise ConfigError(
+          field="run_id", value=self.run_id, source=_SOURCE,
+          expected="1 to 128 letters, digits, '-', '_' and '.'",
+          hint="e.g. --run-id resnet-2026-11-27; leave it out for one made "
+               "from the job secret")
     if self.elastic and self.node_rank == 0 and not self.num_workers and (
         low == 1):
       raise ConfigError(
@@ -220,7 +238,8 @@ class LaunchSpec:
     return self.host or "127.0.0.1"
 
   def restart_delay(self, restart: int) -> float:
-    """Seconds to wait before restart number ``restart`` (1, 2, ...)."""
+    """Seconds to wait before the restart after task failure number
+    ``restart`` (1, 2, ...)."""
     if not self.restart_delay_seconds:
       return 0.0
     doublings = min(restart - 1, 64)  # Past the cap long before 2**64.
@@ -251,10 +270,12 @@ class Prepared:
       order (`gpu_plan`).
     node: what this node runs (`tfdist.launch.fingerprint.take`), for
       node 0 to compare; empty on one node.
+    run_id: ``run_id``, or one made from the secret (`run_id_of`).
   """
   secret: str
   gpus: list[str | None]
   node: dict = dataclasses.field(default_factory=dict)
+  run_id: str = ""
 
 
 def _node_counts(nnodes, min_nodes) -> tuple[int, int]:
@@ -345,10 +366,18 @@ def preflight(spec: LaunchSpec) -> Prepared:
           field="master_addr", value=spec.master_addr, source=_SOURCE,
           hint=why, expected="node 0's address, or a name that resolves to it")
   environ = {**os.environ, **spec.env}
-  return Prepared(secret=job_secret(spec) or secrets.token_hex(32),
-                  gpus=gpu_plan(spec, spec.kinds, environ),
+  secret = job_secret(spec) or secrets.token_hex(32)
+  return Prepared(secret=secret, gpus=gpu_plan(spec, spec.kinds, environ),
                   node=fingerprint.take(spec.command, environ=environ)
-                  if spec.nnodes > 1 else {})
+                  if spec.nnodes > 1 else {},
+                  run_id=spec.run_id or run_id_of(secret))
+
+
+def run_id_of(secret: str) -> str:
+  """The default run id: the same on every node of a job (they share its
+  secret), new with each secret. 48 bits of a hash reveal no more of the
+  secret than the rendezvous's challenges, which carry HMACs of it."""
+  return hashlib.sha256(b"tfdist run id\0" + secret.encode()).hexdigest()[:12]
 
 
 def job_secret(spec: LaunchSpec) -> str | None:
