@@ -457,7 +457,8 @@ def _argv(flags):
 _LAUNCH_FLAGS = ["--workers", "--ps", "--chief", "--evaluator", "--host",
                  "--port-base", "--log-dir", "--max-restarts",
                  "--restart-delay-seconds", "--grace-seconds", "--nnodes",
-                 "--node-rank", "--last-call-seconds", "--stall-seconds"]
+                 "--node-rank", "--last-call-seconds", "--stall-seconds",
+                 "--run-id"]
 _SLURM_FLAGS = ["--preset", "--job-name", "--nodes", "--tasks-per-node",
                 "--gpus-per-node", "--cpus-per-task", "--time", "--partition",
                 "--roles", "--signal-seconds", "--requeue", "--no-requeue"]
