@@ -4,8 +4,9 @@ restarts at a new size, and training that survives a lost node.
 `RoundsTest` drives the rendezvous's decisions alone, on a clock of its own;
 `LoopbackTest` runs real launchers on loopback with a program without
 TensorFlow and SIGKILLs one of them; `BedTest` runs Keras ``fit`` with a
-backup on three hosts of the network-namespace bed, admits a late one, loses
-it, and compares the final weights with an uninterrupted run. 64 launchers:
+backup on three hosts of the network-namespace bed, admits a late one and
+cuts its link, or SIGKILLs one's launcher and admits it back under its rank,
+and compares the final weights with an uninterrupted run. 64 launchers:
 tests/test_elastic_scale.py.
 """
 
@@ -14,6 +15,7 @@ import os
 import re
 import sys
 import tempfile
+from typing import Callable
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -303,60 +305,109 @@ class LoopbackTest(parameterized.TestCase):
 _BED = netbed.netbed_unavailable_reason()
 
 
+# The line of the round after each event of node 2's. A cut link is seen by
+# the rendezvous (10 s of silence) or first by TensorFlow's own heartbeat
+# (10 s) in a survivor's task, whose failure spends a restart.
+_FREE = r"members changed \(round {n}, no restart spent\): "
+_LINES = {
+    "join": _FREE + r"node 2 joined; 2 nodes, now 3",
+    "kill": _FREE + r"node 2's launcher went away \(.*\); 3 nodes, now 2",
+    "cut": r"(?:" + _FREE + r"node 2 sent nothing for 10 s|restart 1 of 1 "
+           r"after \d+ s: task worker:[01] on node [01] failed); 3 nodes, "
+           r"now 2",
+}
+
+
+def _after(pattern: str,
+           then: Callable[[str], object]) -> Callable[[str], bool]:
+  """A line test for `cluster_utils.Tasks.wait_for`: ``then`` holds for a
+  line after the first line that ``pattern`` finds."""
+  passed = False
+
+  def test(line: str) -> bool:
+    nonlocal passed
+    if passed and then(line):
+      return True
+    passed = passed or re.search(pattern, line) is not None
+    return False
+  return test
+
+
+def _step(line: str, worker: int = 0) -> int | None:
+  match = re.match(rf"\[worker:{worker}\] step (\d+)$", line)
+  return int(match.group(1)) if match else None
+
+
 @pytest.mark.timeout(480)
 @absltest.skipIf(_BED is not None, _BED)
-class BedTest(absltest.TestCase):
+class BedTest(parameterized.TestCase):
   """Three hosts train ``fault_job.py`` (Keras fit, a backup every 2 steps,
-  one worker each) under ``--nnodes 2:3``; the survivors end with the
-  weights of an uninterrupted run of the same global batch."""
+  one worker each) under ``--nnodes 2:3``; node 2 changes the members twice
+  mid-epoch, and the nodes there at the end finish with the weights of an
+  uninterrupted run of the same global batch."""
 
-  def _command(self, bed, rank, backup):
+  def _command(self, bed, rank, backup, restarts):
     return bed.command(f"h{rank}", LAUNCH + [
         "--nnodes", "2:3", "--node-rank", str(rank), "--master-addr",
         bed.address("h0"), "--master-port", "29500", "--last-call-seconds",
-        "3", "--grace-seconds", "5", "--", sys.executable,
-        os.path.join(cluster_utils.SCRIPTS, fault_runs.JOB),
+        "3", "--grace-seconds", "5", "--max-restarts", str(restarts), "--",
+        sys.executable, os.path.join(cluster_utils.SCRIPTS, fault_runs.JOB),
         "multi_worker_mirrored", "fit", backup, "--sleep", "0.4", "--batch",
         "12"])
 
-  def test_late_and_cut_off_nodes(self):
-    """One run, two changes of members, without --max-restarts: node 2
-    starts late (admitted), then its link is cut (the rest go on).
-
-    A SIGKILLed launcher is `LoopbackTest`'s; a node that comes back joins
-    as a late one does (a new launcher's first join).
-    """
+  @parameterized.named_parameters(
+      # (the nodes started first, node 2's events, --max-restarts, the
+      # nodes at the end)
+      ("late_node_admitted_then_its_link_cut", (0, 1), ("join", "cut"), 1,
+       (0, 1)),
+      ("launcher_killed_then_back_under_its_rank", (0, 1, 2),
+       ("kill", "join"), 0, (0, 1, 2)),
+  )
+  def test_members_change_during_fit(self, first, events, restarts, last):
+    """Each event restarts the round, for free but for a cut link that a
+    survivor's task notices first (`_LINES`): after a loss (launcher
+    SIGKILLed, link cut) the rest go on at 2 nodes, after a join (late, or
+    a new launcher with node 2's --node-rank on its host) at 3; every round
+    resumes from the backup and trains before the next event."""
     env = cluster_utils.base_env({_net.JOB_SECRET_VARIABLE: SECRET})
+    lines = [_LINES[event].format(n=n) for n, event in enumerate(events, 1)]
     with tempfile.TemporaryDirectory() as d:
       reference = fault_runs.reference("fit", "--batch", "12")
       backup = os.path.join(d, "backup")
       with netbed.NetBed(hosts=("h0", "h1", "h2")) as bed, cluster_utils.Tasks(
-          commands=[self._command(bed, r, backup) for r in range(3)],
+          commands=[self._command(bed, r, backup, restarts)
+                    for r in range(3)],
           envs=[env] * 3, cwd=cluster_utils.REPO, merge_stderr=True,
           start=False) as tasks:
-        tasks.start(0, 1)
-        tasks.wait_for(0, lambda l: l.startswith("[worker:0] step 3"), 180)
-        for restart, event in enumerate(("join", "cut"), 1):
+        tasks.start(*first)
+        tasks.wait_for(0, lambda l: _step(l) == 3, 180)  # Mid-epoch.
+        for event, line in zip(events, lines):
           if event == "join":
-            tasks.start(2)  # Late: admitted by a restart.
+            tasks.start(2)  # Late, or back: admitted by a restart.
+          elif event == "kill":
+            tasks.kill(2)  # Its tasks die with it (parent-death signal).
           else:
             bed.cut("h2")
-          tasks.wait_for(0, lambda l, n=restart: f"(round {n}," in l, 120)
+          tasks.wait_for(0, _after(line, _step), 180)  # Trains again.
           if event == "join":
-            tasks.wait_for(2, lambda l: l.startswith("[worker:2] step "), 180)
-        codes = [tasks.wait(i, 300) for i in (0, 1)]
-        outs = [tasks.stdout(i) for i in (0, 1)]
-    self.assertEqual(codes, [0, 0], outs)
-    for out in outs:
-      for line in (r"members changed \(round 1, no restart spent\): node 2 "
-                   r"joined; 2 nodes, now 3",
-                   r"members changed \(round 2, no restart spent\): .*; 3 "
-                   r"nodes, now 2"):
+            tasks.wait_for(2, lambda l: _step(l, 2) is not None, 180)
+        codes = [tasks.wait(i, 300) for i in last]
+        outs = [tasks.stdout(i) for i in last]
+    self.assertEqual(codes, [0] * len(last), outs)
+    for out in outs[:2]:  # Nodes 0 and 1 saw every round.
+      for line in lines:
         self.assertRegex(out, line)
+    for out in outs:
       result = json.loads(next(l for l in reversed(out.splitlines())
                                if re.match(r"\[worker:\d\] \{", l))
                           .split(" ", 1)[1])
       fault_runs.assert_like(self, result, reference)
+    # Each round after an event resumed from a backup (one every 2 steps,
+    # the first before the first event), never from the first step.
+    rounds = re.split("|".join(lines), outs[0])
+    resumed = [next(s for l in r.splitlines() if (s := _step(l)) is not None)
+               for r in rounds[1:]]
+    self.assertTrue(all(s > 2 for s in resumed), resumed)
 
 
 if __name__ == "__main__":
