@@ -41,7 +41,7 @@ import threading
 import time
 from typing import Any, Iterator
 
-__all__ = ["CAPACITY", "DIR_VARIABLE", "STALL_VARIABLE", "REQUEST_FILE",
+__all__ = ["CAPACITY", "COLLECTIVE_FAILURES", "DIR_VARIABLE", "STALL_VARIABLE", "REQUEST_FILE",
            "set_recording", "recording", "begin_step", "progress", "enter", "leave", "recorded", "failed",
            "summary",
            "watch", "dump", "snapshot", "role", "dump_name"]
@@ -56,8 +56,9 @@ STALL_VARIABLE = "TFDIST_STALL_SECONDS"
 REQUEST_FILE = "request"
 _POLL_S = 0.25
 #: Errors of a collective that failed on a peer, by class name (TensorFlow's
-#: and tfdist's), which dump before they are raised on.
-_COLLECTIVE_FAILURES = frozenset({
+#: and tfdist's), which dump before they are raised on; the dump's reason
+#: begins with the name.
+COLLECTIVE_FAILURES = frozenset({
     "DeadlineExceededError", "UnavailableError", "AbortedError",
     "WorkerLostError", "StartupTimeoutError"})
 
@@ -143,7 +144,7 @@ def failed(error: BaseException) -> None:
   """Dumps, where the launcher asked for dumps, when ``error`` is a
   collective's timeout or a lost peer; call it before raising it on."""
   if (os.environ.get(DIR_VARIABLE)
-      and type(error).__name__ in _COLLECTIVE_FAILURES):
+      and type(error).__name__ in COLLECTIVE_FAILURES):
     dump(f"{type(error).__name__}: {summary(error, 200)}")
 
 

@@ -269,7 +269,8 @@ class Launcher:
           t.reader.join(timeout=5)
           failed = True
           member.send({"kind": "failed", "role": t.role, "code": code,
-                       "attempt": attempt})
+                       "attempt": attempt, "peer_lost": bool(
+                           self._flight.lost_peer(t.role))})
           self._console.failure(
               t.role, code, t.tail,
               restarting=placed["failures"] < placed["max_restarts"])

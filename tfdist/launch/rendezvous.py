@@ -77,12 +77,16 @@ from tfdist.launch.rounds import Rounds
 from tfdist.launch.rounds import disagreement
 
 __all__ = ["Master", "Member", "RendezvousError", "HEARTBEAT_SECONDS",
-           "SILENCE_SECONDS", "MAX_MESSAGE_BYTES"]
+           "SILENCE_SECONDS", "PEER_GRACE_SECONDS", "MAX_MESSAGE_BYTES"]
 
 #: How often each side says it is alive.
 HEARTBEAT_SECONDS = 1.0
 #: Silence after which a peer counts as lost.
 SILENCE_SECONDS = 10.0
+#: How long a task's failure on a lost peer waits for that peer's node to be
+#: found lost (its silence, and two heartbeats more): then the restart is a
+#: change of members, free, not a failure (`Rounds`).
+PEER_GRACE_SECONDS = SILENCE_SECONDS + 2 * HEARTBEAT_SECONDS
 #: The largest message accepted (a cluster of thousands of tasks fits).
 MAX_MESSAGE_BYTES = 1 << 20
 #: How often every wait looks at its stop event (and the master at close).
@@ -211,7 +215,7 @@ class Master:
                on_report: Callable[[int, dict], None] | None = None):
     self._rounds = Rounds(min_nodes=min_nodes or nnodes, max_nodes=nnodes,
                           max_restarts=max_restarts, timeout=timeout,
-                          last_call=last_call)
+                          last_call=last_call, peer_grace=PEER_GRACE_SECONDS)
     self._nnodes = nnodes
     self._agree = dict(agree or {})
     self._node = node

@@ -112,14 +112,20 @@ class Rounds:
   round's number) or for good. As in torchrun, a change of members (a node
   lost; a node new, back, or left out, joining below ``max_nodes``)
   restarts for free while ``min_nodes`` or more are left; a task that fails
-  spends one of ``max_restarts``. Every method returns the messages to
-  send, as (node rank, message) pairs.
+  spends one of ``max_restarts``. A task that failed because it lost a peer
+  (``peer_lost`` in its message) races the loss of that peer's node: in an
+  elastic job its failure waits ``peer_grace`` seconds, and a node lost
+  meanwhile makes the restart a free one. Every method returns the
+  messages to send, as (node rank, message) pairs.
   """
 
   def __init__(self, *, min_nodes: int, max_nodes: int, max_restarts: int,
-               timeout: float, last_call: float = 0.0, clock=time.monotonic):
+               timeout: float, last_call: float = 0.0, peer_grace: float = 0.0,
+               clock=time.monotonic):
     self._min, self._max = min_nodes, max_nodes
     self._max_restarts = max_restarts
+    self._peer_grace = peer_grace if min_nodes < max_nodes else 0.0
+    self._held: tuple[float, str, int] | None = None  # A failure waiting.
     self._timeout, self._last_call_seconds = timeout, last_call
     self._clock = clock
     self.attempt = 0  # The round's number.
@@ -159,8 +165,12 @@ class Rounds:
     where = f" on node {rank}" if self._max > 1 else ""
     code = message.get("code", 1)
     what = "was preempted" if code == PREEMPTED_EXIT_CODE else "failed"
-    return self._stop(f"task {message.get('role')}{where} {what}", code=code,
-                      failure=True)
+    why = f"task {message.get('role')}{where} {what}"
+    if message.get("peer_lost") and self._peer_grace:
+      if self._held is None:  # A node lost meanwhile restarts for free.
+        self._held = (self._clock() + self._peer_grace, why, code)
+      return []
+    return self._stop(why, code=code, failure=True)
 
   def done(self, rank: int) -> Outbox:
     """Node ``rank``'s training tasks finished."""
@@ -186,6 +196,9 @@ class Rounds:
   def tick(self) -> Outbox:
     """What the clock decides: the last call, or a round not joined in
     time."""
+    if self._running and self._held and self._clock() >= self._held[0]:
+      _, why, code = self._held  # No node was lost: the task's failure.
+      return self._stop(why, code=code, failure=True)
     if self.over or self._running:
       return []
     if self._last_call is not None and self._clock() >= self._last_call:
@@ -232,6 +245,7 @@ class Rounds:
 
   def _stop(self, why: str, *, code: int, failure: bool) -> Outbox:
     """Ends the running round: a restart, or the end of the job."""
+    self._held = None
     nodes = len(self._members)
     if nodes >= self._min and (not failure
                                or self.failures < self._max_restarts):

@@ -113,11 +113,20 @@ class Flight:
     if why:
       self._report(pids, notes, why)
 
+  def lost_peer(self, role: str) -> dict | None:
+    """The dump task ``role`` wrote this round as a collective failed on a
+    peer (a timeout, a lost peer), if it did."""
+    dump = _dumps(self.directory).get(role)
+    if (dump and dump.get("time", 0) >= self._since and str(
+        dump.get("reason")).split(":")[0] in _flight.COLLECTIVE_FAILURES):
+      return dump
+    return None
+
   def failed(self, role: str, code: int, pids: Mapping[str, int],
              notes: Mapping[str, Sequence[str]]) -> None:
     """A task failed: reports when its collective failed (it dumped)."""
-    dump = _dumps(self.directory).get(role)
-    if dump and dump.get("time", 0) >= self._since:
+    dump = self.lost_peer(role)
+    if dump:
       self._report(pids, notes, f"{role} exited {code}: {dump['reason']}")
 
   def close(self) -> None:
