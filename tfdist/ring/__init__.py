@@ -13,6 +13,7 @@ One module per seam, each testable alone:
 * `auth`: values' tags (who joins: the job's gate, `tfdist._secret`);
 * `connection`: the ring's members, listening and the hello exchange;
 * `exchange`: one step's blocks moved both ways over non-blocking sockets;
+* `courier`: a ring's thread that runs queued work in order (buckets);
 * `socket_ring`: `SocketRing`: the connections, and the dispatch to the
   schedules.
 """

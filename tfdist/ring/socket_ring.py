@@ -1,13 +1,9 @@
 """`SocketRing`: ring all-reduce of float32 numpy buffers over TCP sockets.
 
 `SocketRing` sums one float32 buffer over ``n`` processes the way Baidu's and
-Horovod's ring all-reduce does: the buffer is cut into ``n`` segments; in
-``n - 1`` reduce-scatter steps each process sends one segment to its right
-neighbour and adds the segment received from its left one, so each ends up
-owning one fully summed segment; in ``n - 1`` all-gather steps the owned
-segments travel round the ring (`tfdist.ring.schedule`). Each process
-sends and receives ``2 (n - 1) / n`` of the buffer, the least any
-all-reduce can.
+Horovod's ring all-reduce does, a reduce-scatter then an all-gather of ``n``
+segments (`tfdist.ring.schedule`): each process sends and receives
+``2 (n - 1) / n`` of the buffer, the least any all-reduce can.
 
 * **Accumulation** is float32. The wire dtype (``float32``, ``float16`` or
   ``bfloat16``) is only what crosses the socket: a received partial sum is
@@ -80,6 +76,7 @@ from tfdist.errors import ConfigError
 from tfdist.errors import WorkerLostError
 from tfdist.ring import auth
 from tfdist.ring import connection
+from tfdist.ring import courier as courier_lib
 from tfdist.ring import doubling
 from tfdist.ring import exchange
 from tfdist.ring import pieces
@@ -210,6 +207,8 @@ class SocketRing:
     self._calls = 0
     self._wire_bufs: dict[str, list[np.ndarray]] = {}
     self._scratch = np.empty(self._block, np.float32)
+    self._courier: courier_lib.Courier | None = None
+    self._courier_lock = threading.Lock()
 
   @property
   def rank(self) -> int:
@@ -256,6 +255,15 @@ class SocketRing:
     """The error that closed this ring for good (every later call raises it
     again), or ``None`` while it works."""
     return self._failure
+
+  @property
+  def courier(self) -> courier_lib.Courier:
+    """The thread that runs work queued for this ring in order (made at
+    first use; `tfdist.ring.courier`)."""
+    with self._courier_lock:
+      if self._courier is None:
+        self._courier = courier_lib.Courier(lambda: self._failure)
+      return self._courier
 
   def _connect_locked(self) -> None:
     if self._failure is not None:
