@@ -27,6 +27,7 @@ from test_ring import WIRE_RTOL
 import tfdist
 from tfdist import perf
 from tfdist.bench import models
+from tfdist.strategy import packing
 from tfdist.strategy import timeline
 from tfdist.strategy import transport as transport_lib
 
@@ -275,11 +276,10 @@ class PackingTest(parameterized.TestCase):
   def test_groups(self, sizes, expected):
     specs = [tf.TensorSpec([s], tf.float32) for s in sizes]
     self.assertEqual(transport_lib.ALONE_BYTES, 65_536 * 4)
-    # pylint: disable-next=protected-access
-    self.assertEqual(transport_lib._groups(specs), expected)
+    self.assertEqual(packing.groups(specs), expected)
 
   def test_a_buffer_is_reused_once_no_view_holds_it(self):
-    buffers = transport_lib._Buffers(keep=2)  # pylint: disable=protected-access
+    buffers = packing.Buffers(keep=2)
     first = buffers.take(1000)
     view = first[10:20]
     address = first.ctypes.data

@@ -49,6 +49,7 @@ import keras  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from tfdist import perf  # pylint: disable=g-import-not-at-top
+from tfdist.strategy import introspect  # pylint: disable=g-import-not-at-top
 from tfdist.strategy import transport  # pylint: disable=g-import-not-at-top
 from tfdist.training import _worker_errors  # pylint: disable=g-import-not-at-top
 
@@ -125,7 +126,7 @@ def sums():
 
 def _reuse():
   """The sums' buffers: reused by later calls once no tensor holds a sum,
-  never while one does (transport._Buffers)."""
+  never while one does (tfdist.strategy.packing.Buffers)."""
   big = tf.constant(_inputs(RANK, (300_001,), 7))  # Reaches the ring alone.
 
   @tf.function
@@ -135,7 +136,7 @@ def _reuse():
             [big * scale], compression="none", connect_timeout_s=120,
             timeout_s=60, fallback=None)[0]))[0]
 
-  sums = transport._SUMS  # pylint: disable=protected-access
+  sums = introspect.record_of(strategy).sums
   step(tf.constant(1.0))  # Traces.
   before = sums.allocations
   for _ in range(6):  # As training does: each sum used, then dropped.

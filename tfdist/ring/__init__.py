@@ -2,17 +2,20 @@
 
 One module per seam, each testable alone:
 
-* `schedule`: which elements each rank sends, receives and adds at each
-  step of the reduce-scatter and the all-gather (pure functions);
-* `doubling`: recursive doubling's partners, step by step, for small
-  buffers (pure functions);
+* the schedules, one module each, a row of `socket_ring`'s table:
+  `schedule`, the ring (which elements each rank sends, receives and adds
+  at each step of the reduce-scatter and the all-gather), and `doubling`,
+  recursive doubling's partners for small buffers; the steps are pure
+  functions, and each module's ``all_reduce`` runs them on a ring;
 * `pieces`: a list of arrays read as their concatenation, never made (a
   model's gradients, summed as one buffer without packing them);
 * `wire`: what crosses the sockets: hellos, call headers, encoded values;
 * `auth`: values' tags (who joins: the job's gate, `tfdist._secret`);
 * `connection`: the ring's members, listening and the hello exchange;
 * `exchange`: one step's blocks moved both ways over non-blocking sockets;
-* `socket_ring`: `SocketRing`, composing them.
+* `courier`: a ring's thread that runs queued work in order (buckets);
+* `socket_ring`: `SocketRing`: the connections, and the dispatch to the
+  schedules.
 """
 
 from tfdist.ring.connection import Rendezvous

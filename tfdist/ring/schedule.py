@@ -1,7 +1,9 @@
-"""The ring all-reduce schedule: which elements move at each step.
+"""The ring schedule: which elements move at each step, and moving them.
 
-Pure functions of a rank, the ring's size and the buffer's length: no
-sockets, no numbers, so the schedule can be checked alone.
+The steps are pure functions of a rank, the ring's size and the buffer's
+length (no sockets, no numbers), so they can be checked alone; `all_reduce`
+runs them on a `SocketRing`'s connections, the schedule of every buffer
+that no other takes (`tfdist.ring.socket_ring`).
 
 The buffer of ``length`` elements is cut into ``size`` segments (segment
 ``i`` holds elements ``i * length // size`` up to ``(i + 1) * length //
@@ -27,13 +29,23 @@ Example::
       ...  # Send elements lo:hi to rank 1.
 """
 
+# A schedule is the ring's own part: it runs under its lock, on its members.
+# pylint: disable=protected-access
+
 from __future__ import annotations
 
 import functools
 from typing import NamedTuple
 
+import numpy as np
+
+from tfdist.ring import pieces
+from tfdist.ring.wire import as_bytes
+from tfdist.ring.wire import decode
+from tfdist.ring.wire import encode
+
 __all__ = ["Span", "Step", "segments", "segment_capacity", "reduce_scatter",
-           "all_gather", "owned", "blocks"]
+           "all_gather", "owned", "blocks", "all_reduce"]
 
 #: Elements ``lo`` up to (not including) ``hi`` of the flat buffer.
 Span = tuple[int, int]
@@ -102,3 +114,88 @@ def blocks(span: Span, block: int) -> list[Span]:
   """``span`` cut into consecutive pieces of at most ``block`` elements."""
   lo, hi = span
   return [(s, min(s + block, hi)) for s in range(lo, hi, block)]
+
+
+def all_reduce(ring, x: pieces.Pieces, out: pieces.Pieces, wire: str,
+               tag: int) -> None:
+  """Sums ``x`` into ``out`` over ``ring``: reduce-scatter, then all-gather.
+
+  For every ring of two or more processes. A segment is never written in
+  the step that sends it, so ``out`` may be ``x``. A block that spans
+  several arrays of ``x`` is sent as their views, one after the other, and
+  added view by view.
+  """
+  ring._call_locked("all-reduce", x.size, wire, tag,
+                    _moves(ring, x, out, wire))
+
+
+def _moves(ring, x: pieces.Pieces, out: pieces.Pieces, wire: str):
+  """Each step's ``(sends, recvs)`` for `tfdist.ring.exchange.Link`."""
+  n, r, block = ring.size, ring.rank, ring._block
+  compressed = wire != "float32"
+  send_buf, recv_buf = ring._wire(wire, segment_capacity(x.size, n))
+  widened = ring._scratch
+  for s, step in enumerate(reduce_scatter(r, n, x.size)):
+    sends, recvs = [], []
+    slo, rlo = step.send[0], step.recv[0]
+    src = x if s == 0 else out  # Then the partial sum of step s - 1.
+    for lo, hi in blocks(step.send, block):
+      if compressed:
+        sends.append(lambda lo=lo, hi=hi, slo=slo, src=src: _encode(
+            src.views(lo, hi), send_buf[lo - slo:hi - slo]))
+      else:
+        sends.extend(lambda v=v: as_bytes(v) for _, v in src.views(lo, hi))
+    for lo, hi in blocks(step.recv, block):
+      part = recv_buf[lo - rlo:hi - rlo]
+      pairs = [(at, xv, ov) for (at, xv), (_, ov)
+               in zip(x.views(lo, hi), out.views(lo, hi))]
+
+      def add(part=part, pairs=pairs, size=hi - lo):
+        values = decode(part, widened[:size]) if compressed else part
+        for at, xv, ov in pairs:
+          np.add(xv, values[at:at + xv.size], out=ov)
+
+      recvs.append((as_bytes(part), add, -1))
+    yield sends, recvs
+  for s, step in enumerate(all_gather(r, n, x.size)):
+    sends, recvs = [], []
+    slo, rlo = step.send[0], step.recv[0]
+    for lo, hi in blocks(step.send, block):
+      if not compressed:
+        sends.extend(lambda v=v: as_bytes(v) for _, v in out.views(lo, hi))
+      elif s == 0:  # The owned segment: round once, keep the rounding.
+
+        def own(views=out.views(lo, hi), part=send_buf[lo - slo:hi - slo]):
+          sent = _encode(views, part)
+          _decode(part, views)
+          return sent
+
+        sends.append(own)
+      else:  # Forward what arrived at the previous step, as it came.
+        sends.append(lambda lo=lo, hi=hi, slo=slo, buf=send_buf: as_bytes(
+            buf[lo - slo:hi - slo]))
+    for lo, hi in blocks(step.recv, block):
+      if compressed:
+        part = recv_buf[lo - rlo:hi - rlo]
+        recvs.append((as_bytes(part), lambda part=part, views=out.views(
+            lo, hi): _decode(part, views), -1))
+      else:
+        recvs.extend((as_bytes(v), None, -1) for _, v in out.views(lo, hi))
+    yield sends, recvs
+    if compressed:
+      send_buf, recv_buf = recv_buf, send_buf
+
+
+def _encode(views: list[tuple[int, np.ndarray]], into: np.ndarray
+            ) -> memoryview:
+  """Rounds float32 ``views`` (offset, values) into the wire buffer ``into``."""
+  for at, v in views:
+    encode(v, into[at:at + v.size])
+  return as_bytes(into)
+
+
+def _decode(received: np.ndarray, views: list[tuple[int, np.ndarray]]
+            ) -> None:
+  """Widens wire values ``received`` into float32 ``views`` (offset, into)."""
+  for at, v in views:
+    decode(received[at:at + v.size], v)

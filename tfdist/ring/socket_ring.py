@@ -1,13 +1,9 @@
 """`SocketRing`: ring all-reduce of float32 numpy buffers over TCP sockets.
 
 `SocketRing` sums one float32 buffer over ``n`` processes the way Baidu's and
-Horovod's ring all-reduce does: the buffer is cut into ``n`` segments; in
-``n - 1`` reduce-scatter steps each process sends one segment to its right
-neighbour and adds the segment received from its left one, so each ends up
-owning one fully summed segment; in ``n - 1`` all-gather steps the owned
-segments travel round the ring (`tfdist.ring.schedule`). Each process
-sends and receives ``2 (n - 1) / n`` of the buffer, the least any
-all-reduce can.
+Horovod's ring all-reduce does, a reduce-scatter then an all-gather of ``n``
+segments (`tfdist.ring.schedule`): each process sends and receives
+``2 (n - 1) / n`` of the buffer, the least any all-reduce can.
 
 * **Accumulation** is float32. The wire dtype (``float32``, ``float16`` or
   ``bfloat16``) is only what crosses the socket: a received partial sum is
@@ -20,11 +16,10 @@ all-reduce can.
   block just before it is sent and adding a block as soon as it is in, so
   the working set stays in cache. No helper threads, no hand-offs: an
   all-reduce of a few values takes about two round trips.
-* **Small buffers** (at most ``doubling_bytes``, float32 on the wire) take
-  recursive doubling instead (`tfdist.ring.doubling`): ``log2 n``
-  exchanges of the whole buffer with partners rather than ``2 (n - 1)``
-  steps, for a buffer whose cost is the steps' latency, not its bytes.
-  `doubling_limit` is where the model says the ring catches up.
+* **Schedules** (`_SCHEDULES`): small buffers (at most ``doubling_bytes``,
+  float32 on the wire) take recursive doubling instead
+  (`tfdist.ring.doubling`): ``log2 n`` exchanges rather than ``2 (n - 1)``
+  steps. `doubling_limit` is where the model says the ring catches up.
 * **In place**: ``out=data`` sums into the input (no output buffer; what
   the TensorFlow glue does with its packed gradients).
 * **Lists**: a list of arrays is summed as their concatenation without
@@ -67,9 +62,10 @@ coordination service)::
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Iterable, Sequence
 
 from absl import logging
 import numpy as np
@@ -80,15 +76,15 @@ from tfdist.errors import ConfigError
 from tfdist.errors import WorkerLostError
 from tfdist.ring import auth
 from tfdist.ring import connection
+from tfdist.ring import courier as courier_lib
 from tfdist.ring import doubling
 from tfdist.ring import exchange
 from tfdist.ring import pieces
 from tfdist.ring import schedule
 from tfdist.ring import wire as wire_lib
+from tfdist.ring.doubling import limit as doubling_limit
 from tfdist.ring.wire import WIRE_DTYPES
 from tfdist.ring.wire import as_bytes
-from tfdist.ring.wire import decode
-from tfdist.ring.wire import encode
 
 __all__ = ["SocketRing", "DEFAULT_BLOCK_BYTES", "doubling_limit"]
 
@@ -96,54 +92,11 @@ __all__ = ["SocketRing", "DEFAULT_BLOCK_BYTES", "doubling_limit"]
 #: large enough that Python's per-block cost is noise.
 DEFAULT_BLOCK_BYTES = 512 << 10
 
-#: The link `doubling_limit` assumes by default: the slowest tfdist is
-#: measured on (1 Gbit/s: 0.95 of the line, as the bed's streams moved) and
-#: a step's latency in Python over it (the bed measured 13-28 us a hop).
-_SLOW_LINK_BYTES_PER_S = 0.95 * 125e6
-_STEP_LATENCY_S = 30e-6
-#: Recursive doubling sends the whole buffer in one message per exchange
-#: where the ring sends pieces, and adds only once all of it is in (the
-#: ring adds each block as it arrives). Measured (`tfdist.bench.doubling`;
-#: docs/benchmarks.md): with 2 ranks, where the model has no crossover, it
-#: was as fast or faster up to 16 KiB everywhere (1.0-1.9x); above, single
-#: messages sometimes stalled on the bed's shaped links (2 hosts at
-#: 10 Gbit/s: 0.35x at 64 KiB in 2 runs of 3, 0.54x at 128 KiB). So never
-#: above this.
-_DOUBLING_CAP_BYTES = 32 << 10
-
-
-def doubling_limit(size: int, *, latency_s: float = _STEP_LATENCY_S,
-                   bytes_per_s: float = _SLOW_LINK_BYTES_PER_S) -> int:
-  """Bytes at or below which recursive doubling beats the ring, by the model.
-
-  A message of ``b`` bytes costs ``latency_s + b / bytes_per_s``; the ring
-  takes ``2 (n - 1)`` exchanges of ``S / n``, recursive doubling
-  `tfdist.ring.doubling.exchanges` exchanges of ``S``. Equal at
-  ``S* = (2 (n - 1) - e) latency_s bytes_per_s / (e - 2 (n - 1) / n)``,
-  capped at 32 KiB (at 2 ranks the model has no crossover; measured, a
-  single message above that sometimes stalled). The defaults assume a
-  1 Gbit/s link and 30 us a step: a faster link raises the crossover, so
-  by the model the limit is safe there too, and it leaves some gain (the
-  bed at 10 Gbit/s: 4 hosts 1.8x at 64 KiB) unused.
-
-  Args:
-    size: the number of ranks.
-    latency_s: one exchange's fixed cost.
-    bytes_per_s: the link's rate.
-
-  Returns:
-    The limit in bytes (float32 bytes of the buffer); 0 for one rank.
-  """
-  if size < 2:
-    return 0
-  e, ring = doubling.exchanges(size), 2 * (size - 1)
-  if e >= ring:
-    return 0
-  per_byte = e - ring / size
-  if per_byte <= 0:
-    return _DOUBLING_CAP_BYTES
-  crossover = (ring - e) * latency_s * bytes_per_s / per_byte
-  return int(min(crossover, _DOUBLING_CAP_BYTES))
+#: The schedules, tried in order (`SocketRing._schedule`): modules with
+#: ``WIRES``, ``limit(size)`` (float32 bytes, by the ring's size) and
+#: ``all_reduce(ring, x, out, wire, tag)``, run under the ring's lock. The
+#: ring, last, takes every call the others do not.
+_SCHEDULES = (doubling, schedule)
 
 _warned_unauthenticated = False
 
@@ -153,21 +106,6 @@ def _apart(xs: list[np.ndarray], outs: list[np.ndarray]) -> list[np.ndarray]:
   return [x.copy() if (np.may_share_memory(x, o)
                        and x.ctypes.data != o.ctypes.data) else x
           for x, o in zip(xs, outs)]
-
-
-def _encode(views: list[tuple[int, np.ndarray]], into: np.ndarray
-            ) -> memoryview:
-  """Rounds float32 ``views`` (offset, values) into the wire buffer ``into``."""
-  for at, v in views:
-    encode(v, into[at:at + v.size])
-  return as_bytes(into)
-
-
-def _decode(received: np.ndarray, views: list[tuple[int, np.ndarray]]
-            ) -> None:
-  """Widens wire values ``received`` into float32 ``views`` (offset, into)."""
-  for at, v in views:
-    decode(received[at:at + v.size], v)
 
 
 def _shaped(out: np.ndarray, data) -> np.ndarray:
@@ -206,11 +144,10 @@ class SocketRing:
     threaded_bytes: steps that receive at least this many bytes run a
       sending and a receiving thread (`tfdist.ring.exchange`).
     doubling_bytes: float32 all-reduces of at most this many bytes take
-      recursive doubling (`tfdist.ring.doubling`: ``log2 n`` exchanges of
-      the whole buffer with partners, instead of the ring's ``2 (n - 1)``
-      steps); ``None``: `doubling_limit` of the ring's size; 0: never.
-      With more than two ranks each partner is a connection of its own
-      (one more listening port per partner, made at the first such call).
+      recursive doubling (`tfdist.ring.doubling`); ``None``:
+      `doubling_limit` of the ring's size; 0: never. With more than two
+      ranks each partner is a connection of its own (one more listening
+      port per partner, made at the first such call).
 
   Raises:
     ConfigError: a rank out of range, a non-positive timeout or
@@ -246,12 +183,12 @@ class SocketRing:
           field="authenticate_values", value=True, source=source,
           expected=f"a job secret ({_net.JOB_SECRET_VARIABLE} or secret=)")
     self._authenticate_values = bool(authenticate_values)
-    if doubling_bytes is None:
-      doubling_bytes = doubling_limit(len(hosts))
-    elif not (isinstance(doubling_bytes, int) and doubling_bytes >= 0):
-      raise ConfigError(field="doubling_bytes", value=doubling_bytes,
-                        source=source, expected="a whole number >= 0")
-    self._doubling_bytes = doubling_bytes
+    self._limits = {m: m.limit(len(hosts)) for m in _SCHEDULES[:-1]}
+    if doubling_bytes is not None:
+      if not (isinstance(doubling_bytes, int) and doubling_bytes >= 0):
+        raise ConfigError(field="doubling_bytes", value=doubling_bytes,
+                          source=source, expected="a whole number >= 0")
+      self._limits[doubling] = doubling_bytes
     self._pairs: dict[int, SocketRing] = {}
     self._ports_text = ports
     self._ports = connection.ring_ports(ports, source=source)
@@ -270,6 +207,8 @@ class SocketRing:
     self._calls = 0
     self._wire_bufs: dict[str, list[np.ndarray]] = {}
     self._scratch = np.empty(self._block, np.float32)
+    self._courier: courier_lib.Courier | None = None
+    self._courier_lock = threading.Lock()
 
   @property
   def rank(self) -> int:
@@ -287,7 +226,7 @@ class SocketRing:
   def doubling_bytes(self) -> int:
     """float32 bytes at or below which `all_reduce` takes recursive
     doubling (0: never)."""
-    return self._doubling_bytes
+    return self._limits[doubling]
 
   @property
   def calls(self) -> int:
@@ -316,6 +255,15 @@ class SocketRing:
     """The error that closed this ring for good (every later call raises it
     again), or ``None`` while it works."""
     return self._failure
+
+  @property
+  def courier(self) -> courier_lib.Courier:
+    """The thread that runs work queued for this ring in order (made at
+    first use; `tfdist.ring.courier`)."""
+    with self._courier_lock:
+      if self._courier is None:
+        self._courier = courier_lib.Courier(lambda: self._failure)
+      return self._courier
 
   def _connect_locked(self) -> None:
     if self._failure is not None:
@@ -429,7 +377,7 @@ class SocketRing:
 
   def _sum(self, x: pieces.Pieces, out: pieces.Pieces, wire: str,
            tag: int, kind: str) -> None:
-    """Sums ``x`` into ``out`` (the same layout) by the ring or doubling."""
+    """Sums ``x`` into ``out`` (the same layout) by its `_schedule`."""
     with self._lock:
       if self.size == 1 and self._failure is None:
         for a, b in zip(x.arrays, out.arrays):
@@ -437,18 +385,16 @@ class SocketRing:
             np.copyto(b, a)
         return
       with self._recorded(kind, wire, x.size):
-        if wire == "float32" and 0 < x.size * 4 <= self._doubling_bytes:
-          if len(x.arrays) == 1:
-            self._double_locked(x.arrays[0], out.arrays[0], tag)
-            return
-          flat = np.concatenate(x.arrays)  # At most doubling_bytes.
-          self._double_locked(flat, flat, tag)
-          for at, o in out.views(0, out.size):
-            np.copyto(o, flat[at:at + o.size])
-          return
-        self._call_locked(
-            "all-reduce", x.size, wire, tag,
-            lambda header: self._reduce(x, out, wire, header))
+        if self._failure is not None:
+          raise self._failure
+        self._schedule(x.size * 4, wire).all_reduce(self, x, out, wire, tag)
+
+  def _schedule(self, nbytes: int, wire: str):
+    """The first of `_SCHEDULES` that carries ``wire`` with ``nbytes`` (more
+    than 0) within its limit for this ring's size; else the last, the ring."""
+    return next((m for m in _SCHEDULES[:-1]
+                 if wire in m.WIRES and 0 < nbytes <= self._limits[m]),
+                _SCHEDULES[-1])
 
   def _recorded(self, kind: str, wire: str, size: int):
     """The flight recorder's note of one call: its peers are the ring."""
@@ -486,49 +432,23 @@ class SocketRing:
 
   def _send_receive_locked(self, x: np.ndarray, flat_out: np.ndarray, *,
                            tag: int, what: str = "exchange") -> None:
-
-    def move(header):
-      head_in = bytearray(wire_lib.HEADER_SIZE)
-      blocks = schedule.blocks((0, x.size), self._block)
-      self._link.exchange(
-          [lambda: header]
-          + [lambda lo=lo, hi=hi: as_bytes(x[lo:hi]) for lo, hi in blocks],
-          [(head_in, lambda: self._check_header(head_in, header), 0)]
-          + [(as_bytes(flat_out[lo:hi]), None, -1) for lo, hi in blocks])
-
-    self._call_locked(what, x.size, "float32", tag, move)
+    blocks = schedule.blocks((0, x.size), self._block)
+    self._call_locked(what, x.size, "float32", tag, [(
+        [lambda lo=lo, hi=hi: as_bytes(x[lo:hi]) for lo, hi in blocks],
+        [(as_bytes(flat_out[lo:hi]), None, -1) for lo, hi in blocks])])
 
   def _swap(self, data: np.ndarray, out: np.ndarray, tag: int) -> None:
     """One exchange of a recursive-doubling all-reduce, with the partner."""
     with self._lock:
       self._send_receive_locked(data, out, tag=tag, what="all-reduce")
 
-  def _double_locked(self, x: np.ndarray, out: np.ndarray, tag: int) -> None:
-    """Sums ``x`` into ``out`` by recursive doubling (`tfdist.ring.doubling`).
-
-    With two ranks the partner is the ring's neighbour, over the ring's own
-    connections; with more, each partner has a ring of two of its own. A
-    partner's failure closes this ring and every partner's, for good.
-    """
-    if self._failure is not None:
-      raise self._failure
-    if out.ctypes.data != x.ctypes.data:
-      np.copyto(out, x)
-    scratch = self._wire("float32", x.size)[0][:x.size]
-    if self.size == 2:  # One exchange, with the ring's neighbour.
-      self._send_receive_locked(out, scratch, tag=tag, what="all-reduce")
-      np.add(out, scratch, out=out)
-      return
+  @contextlib.contextmanager
+  def _over_pairs(self):
+    """One call made over partners' rings of two (`_pair`), counted; a
+    partner's failure closes this ring and every partner's, for good."""
     self._calls += 1
     try:
-      for step in doubling.steps(self.rank, self.size):
-        pair = self._pair(step.partner)
-        if step.kind == doubling.TAKE:
-          pair._swap(scratch, out, tag)  # pylint: disable=protected-access
-        else:
-          pair._swap(out, scratch, tag)  # pylint: disable=protected-access
-          if step.kind == doubling.ADD:
-            np.add(out, scratch, out=out)
+      yield
     except BaseException as e:
       # The partner's own error (a WorkerLostError naming it, a timeout).
       self._failure = e if isinstance(e, Exception) else WorkerLostError(
@@ -558,8 +478,10 @@ class SocketRing:
     return pair
 
   def _call_locked(self, what: str, length: int, wire: str, tag: int,
-                   move: Callable[[bytes], None]) -> None:
-    """One numbered call of the ring: ``move(header)`` under its failure rules.
+                   moves: Iterable[tuple[list, list]]) -> None:
+    """One numbered call over the neighbours' connections, under the ring's
+    failure rules: each of ``moves`` is one step's ``(sends, recvs)``
+    (`tfdist.ring.exchange.Link.exchange`), the call's header first.
 
     A lost peer becomes `WorkerLostError` naming it, a mismatched header a
     `ConfigError`; either, or an interruption, closes the ring for good.
@@ -570,7 +492,15 @@ class SocketRing:
     call = self._calls
     self._calls += 1
     try:
-      move(wire_lib.header(call, length, wire, tag))
+      header = wire_lib.header(call, length, wire, tag)
+      head_in = bytearray(wire_lib.HEADER_SIZE)
+      # The peer's header is checked once ours is written, so that on a
+      # mismatch both sides learn it before either closes.
+      sends = [lambda: header]
+      recvs = [(head_in, lambda: self._check_header(head_in, header), 0)]
+      for step_sends, step_recvs in moves:
+        self._link.exchange(sends + step_sends, recvs + step_recvs)
+        sends, recvs = [], []
     except exchange.PeerLost as e:
       self._fail(WorkerLostError(
           f"socket transport: {self._members.me} lost "
@@ -603,75 +533,6 @@ class SocketRing:
       bufs = [np.empty(length, WIRE_DTYPES[wire]) for _ in range(2)]
       self._wire_bufs[wire] = bufs
     return bufs
-
-  def _reduce(self, x: pieces.Pieces, out: pieces.Pieces, wire: str,
-              header: bytes) -> None:
-    """Sums ``x`` into ``out`` over the ring; the header goes first.
-
-    Reduce-scatter, then all-gather, by `tfdist.ring.schedule`, for
-    every ring of two or more processes. A segment is never written in the
-    step that sends it, so ``out`` may be ``x``. A block that spans several
-    arrays of ``x`` is sent as their views, one after the other, and added
-    view by view.
-    """
-    head_in = bytearray(wire_lib.HEADER_SIZE)
-    n, r, block = self.size, self.rank, self._block
-    compressed = wire != "float32"
-    send_buf, recv_buf = self._wire(wire, schedule.segment_capacity(x.size, n))
-    widened = self._scratch
-    # The peer's header is checked once ours is written, so that on a
-    # mismatch both sides learn it before either closes.
-    sends = [lambda: header]
-    recvs = [(head_in, lambda: self._check_header(head_in, header), 0)]
-    for s, step in enumerate(schedule.reduce_scatter(r, n, x.size)):
-      slo, rlo = step.send[0], step.recv[0]
-      src = x if s == 0 else out  # Then the partial sum of step s - 1.
-      for lo, hi in schedule.blocks(step.send, block):
-        if compressed:
-          sends.append(lambda lo=lo, hi=hi, slo=slo, src=src: _encode(
-              src.views(lo, hi), send_buf[lo - slo:hi - slo]))
-        else:
-          sends.extend(lambda v=v: as_bytes(v) for _, v in src.views(lo, hi))
-      for lo, hi in schedule.blocks(step.recv, block):
-        part = recv_buf[lo - rlo:hi - rlo]
-        pairs = [(at, xv, ov) for (at, xv), (_, ov)
-                 in zip(x.views(lo, hi), out.views(lo, hi))]
-
-        def add(part=part, pairs=pairs, size=hi - lo):
-          values = decode(part, widened[:size]) if compressed else part
-          for at, xv, ov in pairs:
-            np.add(xv, values[at:at + xv.size], out=ov)
-
-        recvs.append((as_bytes(part), add, -1))
-      self._link.exchange(sends, recvs)
-      sends, recvs = [], []
-    for s, step in enumerate(schedule.all_gather(r, n, x.size)):
-      slo, rlo = step.send[0], step.recv[0]
-      for lo, hi in schedule.blocks(step.send, block):
-        if not compressed:
-          sends.extend(lambda v=v: as_bytes(v) for _, v in out.views(lo, hi))
-        elif s == 0:  # The owned segment: round once, keep the rounding.
-
-          def own(views=out.views(lo, hi), part=send_buf[lo - slo:hi - slo]):
-            sent = _encode(views, part)
-            _decode(part, views)
-            return sent
-
-          sends.append(own)
-        else:  # Forward what arrived at the previous step, as it came.
-          sends.append(lambda lo=lo, hi=hi, slo=slo, buf=send_buf: as_bytes(
-              buf[lo - slo:hi - slo]))
-      for lo, hi in schedule.blocks(step.recv, block):
-        if compressed:
-          part = recv_buf[lo - rlo:hi - rlo]
-          recvs.append((as_bytes(part), lambda part=part, views=out.views(
-              lo, hi): _decode(part, views), -1))
-        else:
-          recvs.extend((as_bytes(v), None, -1) for _, v in out.views(lo, hi))
-      self._link.exchange(sends, recvs)
-      sends, recvs = [], []
-      if compressed:
-        send_buf, recv_buf = recv_buf, send_buf
 
   # Shutdown.
 

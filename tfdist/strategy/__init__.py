@@ -15,7 +15,12 @@ One module per concept:
 | `server`     | ps and worker tasks serving a parameter-server chief         |
 | `introspect` | the one reading of a running strategy (task, chief, workers) |
 | `clean_exit` | multi-worker tasks leave together at a clean exit (bounded)  |
-| `transport`  | what carries the gradients: TensorFlow's collectives or the socket ring (`tfdist.ring`), and the ``auto`` rule |
+| `transport`  | what carries the gradients: TensorFlow's collectives or the socket ring (`tfdist.ring`); the facade of the five below |
+| `transport_choice` | which transport, and why: the ``auto`` rule, the workers' agreement, the chief's line |
+| `gradient_hook` | the Keras hook's body: each optimizer's gradients summed by its transport |
+| `rings`      | the socket rings of a strategy's workers: made once, closed at exit |
+| `buckets`    | the socket all-reduce: buckets summed while the backward pass goes on |
+| `packing`    | a bucket's gradients packed for the ring, their sums returned without a copy |
 | `timeline`   | when each step's backward pass and each gradient bucket ran (the bench) |
 | `keras_hooks` | what `make_strategy` installs on Keras: the gradient hook, chief-aware callbacks |
 | `keras_callbacks` | Keras's writing callbacks: one writer per path (the chief) |

@@ -17,8 +17,9 @@ import tensorflow as tf
 
 from tfdist.cluster.info import ClusterInfo
 from tfdist.cluster.info import is_chief_task
+from tfdist.strategy.packing import Buffers
 
-__all__ = ["Record", "record_of", "task_of", "is_chief",
+__all__ = ["Record", "record_of", "records", "task_of", "is_chief",
            "is_parameter_server", "num_workers", "num_input_workers",
            "record_task"]
 
@@ -35,12 +36,15 @@ class Record:
       evaluator, or a worker that opted out with "default", is not the chief).
     transport: the `tfdist.strategy.transport.Choice` of its gradients.
     announced: the transports its chief has said carry them.
-    rings: its socket rings, by their settings (`transport.ring_for`).
+    rings: its socket rings, by their settings (`tfdist.strategy.rings`).
+    sums: the buffers its gradients' sums land in where they are one
+      bucket (`tfdist.strategy.buckets`).
   """
   built_for: tuple | None = None
   transport: Any = None
   announced: set[str] = dataclasses.field(default_factory=set)
   rings: dict[tuple, Any] = dataclasses.field(default_factory=dict)
+  sums: Buffers = dataclasses.field(default_factory=Buffers)
 
 
 _records: "weakref.WeakKeyDictionary[Any, Record]" = weakref.WeakKeyDictionary()
@@ -51,6 +55,12 @@ def record_of(strategy: tf.distribute.Strategy) -> Record:
   """The `Record` of ``strategy`` (an empty one the first time)."""
   with _lock:
     return _records.setdefault(strategy, Record())
+
+
+def records() -> list[Record]:
+  """The `Record` of every strategy of this process still alive."""
+  with _lock:
+    return list(_records.values())
 
 
 def record_task(strategy: tf.distribute.Strategy, info: ClusterInfo) -> None:
