@@ -54,7 +54,10 @@ _lock = threading.Lock()
 def record_of(strategy: tf.distribute.Strategy) -> Record:
   """The `Record` of ``strategy`` (an empty one the first time)."""
   with _lock:
-    return _records.setdefault(strategy, Record())
+    record = _records.get(strategy)
+    if record is None:  # Made once: a record holds the sums' buffers.
+      record = _records[strategy] = Record()
+    return record
 
 
 def records() -> list[Record]:
