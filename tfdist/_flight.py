@@ -41,10 +41,10 @@ import threading
 import time
 from typing import Any, Iterator
 
-__all__ = ["CAPACITY", "COLLECTIVE_FAILURES", "DIR_VARIABLE", "STALL_VARIABLE", "REQUEST_FILE",
-           "set_recording", "recording", "begin_step", "progress", "enter", "leave", "recorded", "failed",
-           "summary",
-           "watch", "dump", "snapshot", "role", "dump_name"]
+__all__ = ["CAPACITY", "COLLECTIVE_FAILURES", "DIR_VARIABLE", "STALL_VARIABLE",
+           "REQUEST_FILE", "set_recording", "recording", "begin_step",
+           "progress", "enter", "leave", "recorded", "failed", "summary",
+           "watch", "dump", "snapshot"]
 
 #: Collectives kept per process, oldest dropped first.
 CAPACITY = 1000
@@ -158,7 +158,7 @@ def summary(error: BaseException, limit: int = 300) -> str:
   return (lines[0] if lines else "no message")[:limit]
 
 
-def role() -> str:
+def _role() -> str:
   """This task as ``type:index`` from its TF_CONFIG, else ``pid-N``."""
   try:
     task = json.loads(os.environ.get("TF_CONFIG") or "{}").get("task") or {}
@@ -169,16 +169,10 @@ def role() -> str:
   return f"pid-{os.getpid()}"
 
 
-def dump_name(task: str) -> str:
-  """The dump's file name stem of ``task`` (``worker:1`` -> ``worker-1``),
-  as the launcher names each task's log."""
-  return task.replace(":", "-")
-
-
 def snapshot(reason: str, *, request: int = 0) -> dict[str, Any]:
   """This process's record as the dump holds it."""
   records = list(_state.records)
-  return {"role": role(), "pid": os.getpid(), "reason": reason,
+  return {"role": _role(), "pid": os.getpid(), "reason": reason,
           "request": request, "time": time.time(), "step": _state.step,
           "progress_at": _state.progress_at,
           "where": _where(threading.main_thread()),
@@ -198,7 +192,8 @@ def dump(reason: str, *, request: int = 0) -> str | None:
     return None
   with _state.lock:
     found = snapshot(reason, request=request)
-    stem = os.path.join(directory, dump_name(found["role"]))
+    # worker:1 -> worker-1, as the launcher names each task's log.
+    stem = os.path.join(directory, found["role"].replace(":", "-"))
     found["stacks"] = stem + ".stacks.txt"
     try:
       os.makedirs(directory, mode=0o700, exist_ok=True)

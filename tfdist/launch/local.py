@@ -268,13 +268,15 @@ class Launcher:
         if code not in (None, 0):
           t.reader.join(timeout=5)
           failed = True
+          dump = self._flight.lost_peer(t.role)
           member.send({"kind": "failed", "role": t.role, "code": code,
-                       "attempt": attempt, "peer_lost": bool(
-                           self._flight.lost_peer(t.role))})
+                       "attempt": attempt, "peer_lost": dump is not None})
           self._console.failure(
               t.role, code, t.tail,
               restarting=placed["failures"] < placed["max_restarts"])
-          self._flight.failed(t.role, code, self._pids(), self._tails())
+          if dump is not None:
+            self._flight.failed(t.role, code, dump, self._pids(),
+                                self._tails())
           self._stop_all()
           break
       if not failed and not done and trainers and all(

@@ -122,12 +122,12 @@ class Flight:
       return dump
     return None
 
-  def failed(self, role: str, code: int, pids: Mapping[str, int],
+  def failed(self, role: str, code: int, dump: dict,
+             pids: Mapping[str, int],
              notes: Mapping[str, Sequence[str]]) -> None:
-    """A task failed: reports when its collective failed (it dumped)."""
-    dump = self.lost_peer(role)
-    if dump:
-      self._report(pids, notes, f"{role} exited {code}: {dump['reason']}")
+    """Task ``role`` failed as a collective failed (``dump``, from
+    `lost_peer`): the report."""
+    self._report(pids, notes, f"{role} exited {code}: {dump['reason']}")
 
   def close(self) -> None:
     """Removes a temporary directory no report named."""

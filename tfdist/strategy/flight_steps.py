@@ -3,8 +3,8 @@
 TensorFlow's collectives run inside a step's `tf.function`, where no Python
 sees them: each step is recorded from Keras's batch hooks as one
 ``gradients`` collective (the gradients' and the metrics' all-reduce), its
-step the optimizer's count. `steps` is the Keras callback; `peers` and
-`gradient_bytes` describe a strategy's collectives for `Runner` too.
+step the optimizer's count. `FlightSteps` is the Keras callback; `peers`
+names a strategy's collectives for `Runner` too.
 """
 
 from __future__ import annotations
