@@ -96,7 +96,7 @@ class QuickBenchTest(absltest.TestCase):
       for figures in per_size.values():
         self.assertAlmostEqual(figures["speedup"],
                                figures["ring_s"] / figures["doubling_s"])
-    self.assertEqual(small["default_limit_bytes"]["2"], 32 << 10)
+    self.assertEqual(small["chosen"]["2"], {"4": "doubling", "256": "ring"})
     self.assertEqual(
         report["raw"]["allreduce"]["method"],
         allreduce.method_name(scaling.RECOMMENDED["transport"],

@@ -288,6 +288,84 @@ class DoublingScheduleTest(parameterized.TestCase):
       doubling.steps(3, 3)
 
 
+def _old_doubling_limit(n):
+  """The crossover the rule had before the table (``doubling.limit``): the
+  float32 bytes at or below which recursive doubling was taken."""
+  e, ring = doubling.exchanges(n), 2 * (n - 1)
+  per_byte = e - ring / n
+  if per_byte <= 0:
+    return 32 << 10
+  return int(min((ring - e) * 30e-6 * 0.95 * 125e6 / per_byte, 32 << 10))
+
+
+def _ring_of(n, **kwargs):
+  """Rank 0 of a ring of ``n`` that never connects."""
+  return perf.SocketRing(rank=0, hosts=["127.0.0.1"] * n,
+                         rendezvous=LocalRendezvous(), key="k", **kwargs)
+
+
+class RuleTest(parameterized.TestCase):
+  """`socket_ring.choose`, `SocketRing.schedule_for` and ``schedule=``."""
+
+  def test_the_table_ends_with_the_ring(self):
+    self.assertEqual(list(socket_ring.SCHEDULES)[-1], "ring")
+    for name, module in socket_ring.SCHEDULES.items():
+      self.assertEqual(module.NAME, name)
+      self.assertIn("float32", module.WIRES)
+
+  @parameterized.parameters(range(2, 65))
+  def test_doubling_where_the_old_limit_took_it(self, n):
+    limit = _old_doubling_limit(n)
+    # Calls move 4 bytes a value. At an exact tie (19125 bytes at 12 ranks,
+    # no call's size) the rule keeps the ring where the old limit did not.
+    last = limit // 4 * 4
+    for nbytes in (4, 1024, 4096, last - 4, last, last + 4, 64 << 10,
+                   1 << 20, 64 << 20):
+      expected = "doubling" if 0 < nbytes <= limit else "ring"
+      self.assertEqual(socket_ring.choose(n, nbytes), expected,
+                       f"{n} ranks, {nbytes} bytes, old limit {limit}")
+
+  @parameterized.named_parameters(
+      ("one_rank", 1, 4096, "float32", "ring"),
+      ("empty", 8, 0, "float32", "ring"),
+      ("small", 8, 4096, "float32", "doubling"),
+      ("two_ranks_at_the_cap", 2, 32 << 10, "float32", "doubling"),
+      ("two_ranks_above_the_cap", 2, (32 << 10) + 4, "float32", "ring"),
+      ("large", 8, 64 << 20, "float32", "ring"),
+      ("small_bfloat16", 8, 4096, "bfloat16", "ring"),
+      ("small_float16", 4, 4096, "float16", "ring"),
+  )
+  def test_choose(self, size, nbytes, wire, expected):
+    self.assertEqual(socket_ring.choose(size, nbytes, wire), expected)
+
+  def test_a_faster_link_moves_the_crossover_up(self):
+    slow = socket_ring.choose(4, 32 << 10, latency_s=30e-6, bytes_per_s=1e8)
+    fast = socket_ring.choose(4, 32 << 10, latency_s=30e-6, bytes_per_s=1e9)
+    self.assertEqual((slow, fast), ("ring", "doubling"))
+
+  @parameterized.named_parameters(
+      ("rule_small", None, 4096, "float32", "doubling"),
+      ("rule_large", None, 64 << 20, "float32", "ring"),
+      ("rule_bfloat16", None, 4096, "bfloat16", "ring"),
+      ("ring", "ring", 4096, "float32", "ring"),
+      ("ring_bfloat16", "ring", 4096, "bfloat16", "ring"),
+      ("doubling_large", "doubling", 64 << 20, "float32", "doubling"),
+      ("doubling_without_its_wire", "doubling", 4096, "float16", "ring"),
+  )
+  def test_schedule_for(self, forced, nbytes, wire, expected):
+    ring = _ring_of(4, schedule=forced)
+    self.assertEqual(ring.schedule_for(nbytes, wire), expected)
+
+  @parameterized.named_parameters(("unknown", "tree"), ("empty", ""),
+                                  ("case", "Ring"))
+  def test_unknown_schedule_is_a_config_error(self, name):
+    with self.assertRaises(tfdist.ConfigError) as caught:
+      _ring_of(2, schedule=name)
+    self.assertEqual(caught.exception.field, "schedule")
+    self.assertEqual(caught.exception.value, name)
+    self.assertIn(str(sorted(socket_ring.SCHEDULES)), str(caught.exception))
+
+
 class PiecesTest(parameterized.TestCase):
   """`tfdist.ring.pieces`: spans of arrays read as their concatenation."""
 
@@ -639,7 +717,7 @@ class SocketRingTest(_RingsTestCase):
     """Blocks of 1024 values span several arrays, and arrays several
     blocks; the sum has the bits of the concatenation's."""
     sizes = [3, 0, 1500, 1, 7000, 16, 20001, 2]
-    rings = self._rings(n, threaded_bytes=threaded, doubling_bytes=0)
+    rings = self._rings(n, threaded_bytes=threaded, schedule="ring")
 
     def fn(r, ring):
       data = [_inputs(r * 100 + i, k) for i, k in enumerate(sizes)]
@@ -657,7 +735,7 @@ class SocketRingTest(_RingsTestCase):
 
   @parameterized.parameters(1, 2, 3)
   def test_a_small_list_takes_doubling(self, n):
-    rings = self._rings(n, doubling_bytes=1 << 20)
+    rings = self._rings(n, schedule="doubling")
     results = _on_each(rings, lambda r, ring: ring.all_reduce(
         [_inputs(r, 5), _inputs(r + 10, 0), _inputs(r + 20, 9)]))
     expected = [sum(_inputs(r + k, s) for r in range(n))
@@ -802,8 +880,8 @@ class DoublingRingTest(_RingsTestCase):
 
   @parameterized.parameters(2, 3, 4, 5, 6)
   def test_doubling_sums_as_the_ring_does(self, n):
-    rings = self._rings(n, doubling_bytes=1 << 30)
-    plain = _make_rings(n, doubling_bytes=0)
+    rings = self._rings(n, schedule="doubling")
+    plain = _make_rings(n, schedule="ring")
     self.rings += plain
     sizes = [1, 7, 1001, 20001]
 
@@ -831,32 +909,15 @@ class DoublingRingTest(_RingsTestCase):
       self.assertFalse(rings[0].connected)
 
   def test_compressed_wires_take_the_ring(self):
-    rings = self._rings(3, doubling_bytes=1 << 30)
+    rings = self._rings(3, schedule="doubling")
     results = _on_each(rings, lambda r, ring: (
         ring.all_reduce(_inputs(r, 100), wire="bfloat16"), ring.connected))
     for got, connected in results:
       np.testing.assert_array_equal(got, results[0][0])
       self.assertTrue(connected)
 
-  def test_limit_by_ring_size(self):
-    self.assertEqual(perf.SocketRing(
-        rank=0, hosts=["a"], rendezvous=LocalRendezvous(),
-        key="k").doubling_bytes, 0)
-    limits = {n: socket_ring.doubling_limit(n) for n in (2, 3, 4, 8, 64)}
-    self.assertEqual(limits[2], 32 << 10)  # Same bytes, half the steps.
-    self.assertLess(limits[3], limits[4])  # 3 exchanges against 4 steps.
-    for n in (3, 4, 8, 64):  # A faster link raises the crossover.
-      self.assertGreaterEqual(
-          socket_ring.doubling_limit(n, bytes_per_s=1.2e9), limits[n])
-
-  @parameterized.parameters(-1, 1.5, "64k")
-  def test_bad_doubling_bytes_is_a_config_error(self, value):
-    with self.assertRaisesRegex(tfdist.ConfigError, "doubling_bytes"):
-      perf.SocketRing(rank=0, hosts=["a", "b"], rendezvous=LocalRendezvous(),
-                      key="k", doubling_bytes=value)
-
   def test_lost_partner_fails_every_rank_and_stays_failed(self):
-    rings = self._rings(4, doubling_bytes=1 << 30, timeout_s=60)
+    rings = self._rings(4, schedule="doubling", timeout_s=60)
 
     def fn(r, ring):
       ring.all_reduce(np.ones(10, np.float32))  # Every partner connected.

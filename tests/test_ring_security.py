@@ -335,7 +335,7 @@ class TamperTest(parameterized.TestCase):
       self, offset, why, threaded):
     start = wire_lib.HELLO_SIZE + _secret.MAC_SIZE  # After the dialer's hello.
     results = self._tampered(start + offset, authenticate_values=True,
-                             threaded_bytes=threaded, doubling_bytes=0)
+                             threaded_bytes=threaded, schedule="ring")
     for got in results:  # No sum returned anywhere.
       self.assertIsInstance(got, tfdist.TfdistError, got)
     self.assertIn(why, str(results[0]))
@@ -350,7 +350,7 @@ class TamperTest(parameterized.TestCase):
     # the true sum before it learns, never one computed from altered bytes.
     start = wire_lib.HELLO_SIZE + _secret.MAC_SIZE
     first, second = self._tampered(start + offset, authenticate_values=True,
-                                   doubling_bytes=1 << 20)
+                                   schedule="doubling")
     self.assertIsInstance(first, tfdist.TfdistError, first)
     self.assertIn(why, str(first))
     self.assertIn("worker:1", str(first))

@@ -3,13 +3,12 @@
 `measure` starts ``n`` processes on this machine for each ``n`` of
 ``ranks`` (Python and numpy only, no TensorFlow, so 8 fit on 2 cores), each
 a member of two `tfdist.ring.SocketRing` s joined through a directory: one
-that always takes the ring (``doubling_bytes=0``) and one that always takes
-recursive doubling (`tfdist.ring.doubling`) for these sizes. Each process
+that always takes the ring (``schedule="ring"``) and one that always takes
+recursive doubling (``schedule="doubling"``, `tfdist.ring.doubling`). Each process
 times float32 all-reduces of each size by both, in alternating windows, and
 rank 0 reports the medians: ``ring_s / doubling_s`` is what doubling gains
 where the ring's ``2 (n - 1)`` steps, not the bytes, are the cost.
-`tfdist.ring.socket_ring.doubling_limit` is where `SocketRing` switches by
-default.
+`tfdist.ring.socket_ring.choose` is what `SocketRing` takes by default.
 
 Run as a module, it is one of those processes::
 
@@ -80,12 +79,12 @@ def measure(*, ranks: Sequence[int] = (2, 3, 4, 8),
 
   Returns:
     ``{"ranks": {n: {kb: {"ring_s", "doubling_s", "speedup"}}},
-    "default_limit_bytes": {n: bytes}}`` (keys as strings); ``speedup`` is
-    ``ring_s / doubling_s``.
+    "chosen": {n: {kb: schedule}}}`` (keys as strings); ``speedup`` is
+    ``ring_s / doubling_s``, ``chosen`` the rule's pick (`choose`).
   """
   from tfdist.bench import procs  # pylint: disable=g-import-not-at-top
   from tfdist.ring import socket_ring  # pylint: disable=g-import-not-at-top
-  out: dict = {"ranks": {}, "default_limit_bytes": {}}
+  out: dict = {"ranks": {}, "chosen": {}}
   for n in ranks:
     where = list(hosts) if hosts else ["127.0.0.1"] * n
     if len(where) != n:
@@ -102,7 +101,8 @@ def measure(*, ranks: Sequence[int] = (2, 3, 4, 8),
                                timeout_s=timeout_s,
                                what=f"doubling with {n} processes")
     out["ranks"][str(n)] = procs.json_lines(finished[0].stdout)[-1]
-    out["default_limit_bytes"][str(n)] = socket_ring.doubling_limit(n)
+    out["chosen"][str(n)] = {str(kb): socket_ring.choose(n, kb << 10)
+                             for kb in sizes_kb}
   return out
 
 
@@ -130,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
   hosts = args.hosts.split(",")
   common = dict(rank=args.rank, hosts=hosts, rendezvous=rendezvous,
                 secret="tfdist bench", connect_timeout_s=60, timeout_s=60)
-  ring = ring_lib.SocketRing(key="ring", doubling_bytes=0, **common)
-  doubled = ring_lib.SocketRing(key="doubling", **common,
-                                doubling_bytes=max(sizes) << 10)
+  ring = ring_lib.SocketRing(key="ring", schedule="ring", **common)
+  doubled = ring_lib.SocketRing(key="doubling", schedule="doubling",
+                                **common)
   figures = {}
   try:
     for kb in sizes:

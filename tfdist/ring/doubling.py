@@ -9,8 +9,8 @@ the whole cost. Recursive doubling (Thakur, Rabenseifner and Gropp,
 step ``k`` every rank swaps its whole partial sum with rank ``rank XOR 2**k``
 and adds, so after the last step each holds the total. It moves ``log2 n``
 times the buffer each way where the ring moves ``2 (n - 1) / n`` times it,
-so it wins below a size and the ring above (`limit`; a `SocketRing`'s
-``doubling_bytes``).
+so it wins below a size and the ring above (`seconds`, the model that
+`tfdist.ring.socket_ring.choose` compares).
 
 When ``n`` is not a power of two, with ``m`` the largest power of two below
 it, each extra rank ``e >= m`` first hands its buffer to rank ``e - m``
@@ -44,20 +44,19 @@ import numpy as np
 
 from tfdist.ring import pieces
 
-__all__ = ["ADD", "GIVE", "TAKE", "Step", "steps", "exchanges", "partners",
-           "WIRES", "limit", "all_reduce"]
+__all__ = ["NAME", "WIRES", "ADD", "GIVE", "TAKE", "Step", "steps",
+           "exchanges", "partners", "seconds", "all_reduce"]
 
+#: Its name in `tfdist.ring.socket_ring.SCHEDULES`.
+NAME = "doubling"
 #: The wire dtypes it carries (compressed wires take the ring).
 WIRES = ("float32",)
 
-#: The link `limit` assumes by default: the slowest tfdist is measured on
-#: (1 Gbit/s: 0.95 of the line, as the bed's streams moved) and a step's
-#: latency in Python over it (the bed measured 13-28 us a hop).
-_SLOW_LINK_BYTES_PER_S = 0.95 * 125e6
-_STEP_LATENCY_S = 30e-6
-#: Recursive doubling sends the whole buffer in one message per exchange
-#: where the ring sends pieces, and adds only once all of it is in (the
-#: ring adds each block as it arrives). Measured (`tfdist.bench.doubling`;
+#: The rule (`tfdist.ring.socket_ring.choose`) never picks it above this
+#: many float32 bytes, whatever the model says. Recursive doubling sends
+#: the whole buffer in one message per exchange where the ring sends
+#: pieces, and adds only once all of it is in (the ring adds each block as
+#: it arrives). Measured (`tfdist.bench.doubling`;
 #: docs/benchmarks.md): with 2 ranks, where the model has no crossover, it
 #: was as fast or faster up to 16 KiB everywhere (1.0-1.9x); above, single
 #: messages sometimes stalled on the bed's shaped links (2 hosts at
@@ -131,38 +130,15 @@ def partners(rank: int, size: int) -> tuple[int, ...]:
   return tuple(dict.fromkeys(step.partner for step in steps(rank, size)))
 
 
-def limit(size: int, *, latency_s: float = _STEP_LATENCY_S,
-          bytes_per_s: float = _SLOW_LINK_BYTES_PER_S) -> int:
-  """Bytes at or below which recursive doubling beats the ring, by the model.
+def seconds(size: int, nbytes: float, *, latency_s: float,
+            bytes_per_s: float) -> float:
+  """The alpha-beta model's time of one all-reduce of ``nbytes``.
 
-  A message of ``b`` bytes costs ``latency_s + b / bytes_per_s``; the ring
-  takes ``2 (n - 1)`` exchanges of ``S / n``, recursive doubling
-  `exchanges` exchanges of ``S``. Equal at
-  ``S* = (2 (n - 1) - e) latency_s bytes_per_s / (e - 2 (n - 1) / n)``,
-  capped at 32 KiB (at 2 ranks the model has no crossover; measured, a
-  single message above that sometimes stalled). The defaults assume a
-  1 Gbit/s link and 30 us a step: a faster link raises the crossover, so
-  by the model the limit is safe there too, and it leaves some gain (the
-  bed at 10 Gbit/s: 4 hosts 1.8x at 64 KiB) unused.
-
-  Args:
-    size: the number of ranks.
-    latency_s: one exchange's fixed cost.
-    bytes_per_s: the link's rate.
-
-  Returns:
-    The limit in bytes (float32 bytes of the buffer); 0 for one rank.
+  `exchanges` messages of the whole buffer one after the other, each
+  costing ``latency_s + nbytes / bytes_per_s``: fewer latencies than the
+  ring's ``2 (size - 1)``, more bytes than its ``2 (size - 1) / size``.
   """
-  if size < 2:
-    return 0
-  e, ring = exchanges(size), 2 * (size - 1)
-  if e >= ring:
-    return 0
-  per_byte = e - ring / size
-  if per_byte <= 0:
-    return _CAP_BYTES
-  crossover = (ring - e) * latency_s * bytes_per_s / per_byte
-  return int(min(crossover, _CAP_BYTES))
+  return exchanges(size) * (latency_s + nbytes / bytes_per_s)
 
 
 def all_reduce(ring, x: pieces.Pieces, out: pieces.Pieces, wire: str,
@@ -178,7 +154,7 @@ def all_reduce(ring, x: pieces.Pieces, out: pieces.Pieces, wire: str,
   if len(x.arrays) == 1:
     _double(ring, x.arrays[0], out.arrays[0], tag)
     return
-  flat = np.concatenate(x.arrays)  # At most the limit's bytes.
+  flat = np.concatenate(x.arrays)  # At most _CAP_BYTES, unless forced.
   _double(ring, flat, flat, tag)
   for at, o in out.views(0, out.size):
     np.copyto(o, flat[at:at + o.size])

@@ -40,12 +40,19 @@ from typing import NamedTuple
 import numpy as np
 
 from tfdist.ring import pieces
+from tfdist.ring.wire import WIRE_DTYPES
 from tfdist.ring.wire import as_bytes
 from tfdist.ring.wire import decode
 from tfdist.ring.wire import encode
 
-__all__ = ["Span", "Step", "segments", "segment_capacity", "reduce_scatter",
-           "all_gather", "owned", "blocks", "all_reduce"]
+__all__ = ["NAME", "WIRES", "Span", "Step", "segments", "segment_capacity",
+           "reduce_scatter", "all_gather", "owned", "blocks", "seconds",
+           "all_reduce"]
+
+#: Its name in `tfdist.ring.socket_ring.SCHEDULES`.
+NAME = "ring"
+#: The wire dtypes it carries: every one.
+WIRES = tuple(WIRE_DTYPES)
 
 #: Elements ``lo`` up to (not including) ``hi`` of the flat buffer.
 Span = tuple[int, int]
@@ -114,6 +121,16 @@ def blocks(span: Span, block: int) -> list[Span]:
   """``span`` cut into consecutive pieces of at most ``block`` elements."""
   lo, hi = span
   return [(s, min(s + block, hi)) for s in range(lo, hi, block)]
+
+
+def seconds(size: int, nbytes: float, *, latency_s: float,
+            bytes_per_s: float) -> float:
+  """The alpha-beta model's time of one all-reduce of ``nbytes``.
+
+  ``2 (size - 1)`` steps one after the other, each a message of
+  ``nbytes / size`` costing ``latency_s + bytes / bytes_per_s``.
+  """
+  return 2 * (size - 1) * (latency_s + nbytes / size / bytes_per_s)
 
 
 def all_reduce(ring, x: pieces.Pieces, out: pieces.Pieces, wire: str,

@@ -16,10 +16,11 @@ segments (`tfdist.ring.schedule`): each process sends and receives
   block just before it is sent and adding a block as soon as it is in, so
   the working set stays in cache. No helper threads, no hand-offs: an
   all-reduce of a few values takes about two round trips.
-* **Schedules** (`_SCHEDULES`): small buffers (at most ``doubling_bytes``,
-  float32 on the wire) take recursive doubling instead
+* **Schedules** (`SCHEDULES`, one module each): `choose` picks, by the
+  alpha-beta model of each, the one of least time for a call's size and
+  the ring's, e.g. small float32 buffers take recursive doubling
   (`tfdist.ring.doubling`): ``log2 n`` exchanges rather than ``2 (n - 1)``
-  steps. `doubling_limit` is where the model says the ring catches up.
+  steps. ``schedule=`` forces one (benchmarks).
 * **In place**: ``out=data`` sums into the input (no output buffer; what
   the TensorFlow glue does with its packed gradients).
 * **Lists**: a list of arrays is summed as their concatenation without
@@ -63,6 +64,7 @@ coordination service)::
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from typing import Iterable, Sequence
@@ -80,25 +82,72 @@ from tfdist.ring import courier as courier_lib
 from tfdist.ring import doubling
 from tfdist.ring import exchange
 from tfdist.ring import pieces
-from tfdist.ring import schedule
+from tfdist.ring import schedule as ring_schedule
 from tfdist.ring import wire as wire_lib
-from tfdist.ring.doubling import limit as doubling_limit
 from tfdist.ring.wire import WIRE_DTYPES
 from tfdist.ring.wire import as_bytes
 
-__all__ = ["SocketRing", "DEFAULT_BLOCK_BYTES", "doubling_limit"]
+__all__ = ["SocketRing", "DEFAULT_BLOCK_BYTES", "DEFAULT_LATENCY_S",
+           "DEFAULT_BYTES_PER_S", "SCHEDULES", "choose"]
 
 #: Bytes (of float32) per pipelined block: small enough to stay in L2 cache,
 #: large enough that Python's per-block cost is noise.
 DEFAULT_BLOCK_BYTES = 512 << 10
 
-#: The schedules, tried in order (`SocketRing._schedule`): modules with
-#: ``WIRES``, ``limit(size)`` (float32 bytes, by the ring's size) and
-#: ``all_reduce(ring, x, out, wire, tag)``, run under the ring's lock. The
-#: ring, last, takes every call the others do not.
-_SCHEDULES = (doubling, schedule)
+#: The schedules by name, a module each with ``NAME``, ``WIRES`` (the wire
+#: dtypes it carries), ``seconds(size, nbytes, *, latency_s, bytes_per_s)``
+#: (its alpha-beta model), optionally ``_CAP_BYTES`` (float32 bytes above
+#: which `choose` never picks it) and ``all_reduce(ring, x, out, wire,
+#: tag)``, run under the ring's lock. The ring, last, takes every call the
+#: others do not.
+SCHEDULES = {m.NAME: m for m in (doubling, ring_schedule)}
+
+#: The link `choose` assumes by default: the slowest tfdist is measured on
+#: (1 Gbit/s: 0.95 of the line, as the bed's streams moved) and a step's
+#: latency in Python over it (the bed measured 13-28 us a hop). A faster
+#: link moves every crossover to larger buffers, so the picks stay on the
+#: safe side there and leave some gain unused.
+DEFAULT_BYTES_PER_S = 0.95 * 125e6
+DEFAULT_LATENCY_S = 30e-6
+#: Another schedule must beat the ring's model time by more than rounding:
+#: a tie keeps the ring, which needs no connections of its own.
+_TIE = 1e-9
 
 _warned_unauthenticated = False
+
+
+@functools.lru_cache(maxsize=1024)
+def choose(size: int, nbytes: int, wire: str = "float32", *,
+           latency_s: float = DEFAULT_LATENCY_S,
+           bytes_per_s: float = DEFAULT_BYTES_PER_S) -> str:
+  """The schedule an all-reduce takes: the rule, the same on every rank.
+
+  Of `SCHEDULES` that carry ``wire`` and whose cap (``_CAP_BYTES``) admits
+  ``nbytes``, the one whose model (``seconds``) is least, a message of
+  ``b`` bytes costing ``latency_s + b / bytes_per_s``; the ring on a tie,
+  for one rank and for an empty buffer.
+
+  Args:
+    size: the number of ranks.
+    nbytes: the buffer's float32 bytes.
+    wire: the wire dtype.
+    latency_s: one message's fixed cost.
+    bytes_per_s: the link's rate.
+
+  Returns:
+    A key of `SCHEDULES`.
+  """
+  best = ring_schedule.NAME
+  if size < 2 or nbytes <= 0:
+    return best
+  model = dict(latency_s=latency_s, bytes_per_s=bytes_per_s)
+  least = ring_schedule.seconds(size, nbytes, **model) * (1 - _TIE)
+  for name, m in SCHEDULES.items():
+    if wire in m.WIRES and nbytes <= getattr(m, "_CAP_BYTES", nbytes):
+      seconds = m.seconds(size, nbytes, **model)
+      if seconds < least:
+        best, least = name, seconds
+  return best
 
 
 def _apart(xs: list[np.ndarray], outs: list[np.ndarray]) -> list[np.ndarray]:
@@ -143,16 +192,16 @@ class SocketRing:
       sent and received. Needs a secret.
     threaded_bytes: steps that receive at least this many bytes run a
       sending and a receiving thread (`tfdist.ring.exchange`).
-    doubling_bytes: float32 all-reduces of at most this many bytes take
-      recursive doubling (`tfdist.ring.doubling`); ``None``:
-      `doubling_limit` of the ring's size; 0: never. With more than two
-      ranks each partner is a connection of its own (one more listening
-      port per partner, made at the first such call).
+    schedule: the name of the schedule every call takes where it carries
+      the wire (else the ring), one of `SCHEDULES`; ``None``: `choose`'s.
+      With more than two ranks the schedules other than the ring make a
+      connection per partner (one more listening port each, made at the
+      first such call).
 
   Raises:
     ConfigError: a rank out of range, a non-positive timeout or
       ``block_bytes``, malformed ``ports``, ``authenticate_values``
-      without a secret, or a negative ``doubling_bytes``.
+      without a secret, or an unknown ``schedule``.
   """
 
   def __init__(self, *, rank: int, hosts: Sequence[str],
@@ -163,7 +212,7 @@ class SocketRing:
                source: str = "SocketRing", secret: bytes | str | None = None,
                ports: str | None = None, authenticate_values: bool = False,
                threaded_bytes: int = exchange.THREADED_BYTES,
-               doubling_bytes: int | None = None):
+               schedule: str | None = None):
     hosts = tuple(hosts)
     self._members = connection.Members(
         rank=rank, hosts=hosts, source=source,
@@ -183,12 +232,11 @@ class SocketRing:
           field="authenticate_values", value=True, source=source,
           expected=f"a job secret ({_net.JOB_SECRET_VARIABLE} or secret=)")
     self._authenticate_values = bool(authenticate_values)
-    self._limits = {m: m.limit(len(hosts)) for m in _SCHEDULES[:-1]}
-    if doubling_bytes is not None:
-      if not (isinstance(doubling_bytes, int) and doubling_bytes >= 0):
-        raise ConfigError(field="doubling_bytes", value=doubling_bytes,
-                          source=source, expected="a whole number >= 0")
-      self._limits[doubling] = doubling_bytes
+    if schedule is not None and schedule not in SCHEDULES:
+      raise ConfigError(field="schedule", value=schedule, source=source,
+                        expected=f"None (the rule) or one of "
+                                 f"{sorted(SCHEDULES)}")
+    self._forced = schedule
     self._pairs: dict[int, SocketRing] = {}
     self._ports_text = ports
     self._ports = connection.ring_ports(ports, source=source)
@@ -222,11 +270,14 @@ class SocketRing:
   def connected(self) -> bool:
     return self._link is not None
 
-  @property
-  def doubling_bytes(self) -> int:
-    """float32 bytes at or below which `all_reduce` takes recursive
-    doubling (0: never)."""
-    return self._limits[doubling]
+  def schedule_for(self, nbytes: int, wire: str = "float32") -> str:
+    """The schedule (a key of `SCHEDULES`) a call of ``nbytes`` float32
+    bytes with ``wire`` takes on this ring."""
+    forced = self._forced
+    if forced is not None:
+      return (forced if wire in SCHEDULES[forced].WIRES
+              else ring_schedule.NAME)
+    return choose(self.size, nbytes, wire)
 
   @property
   def calls(self) -> int:
@@ -377,7 +428,7 @@ class SocketRing:
 
   def _sum(self, x: pieces.Pieces, out: pieces.Pieces, wire: str,
            tag: int, kind: str) -> None:
-    """Sums ``x`` into ``out`` (the same layout) by its `_schedule`."""
+    """Sums ``x`` into ``out`` (the same layout) by its `schedule_for`."""
     with self._lock:
       if self.size == 1 and self._failure is None:
         for a, b in zip(x.arrays, out.arrays):
@@ -387,14 +438,8 @@ class SocketRing:
       with self._recorded(kind, wire, x.size):
         if self._failure is not None:
           raise self._failure
-        self._schedule(x.size * 4, wire).all_reduce(self, x, out, wire, tag)
-
-  def _schedule(self, nbytes: int, wire: str):
-    """The first of `_SCHEDULES` that carries ``wire`` with ``nbytes`` (more
-    than 0) within its limit for this ring's size; else the last, the ring."""
-    return next((m for m in _SCHEDULES[:-1]
-                 if wire in m.WIRES and 0 < nbytes <= self._limits[m]),
-                _SCHEDULES[-1])
+        SCHEDULES[self.schedule_for(x.size * 4, wire)].all_reduce(
+            self, x, out, wire, tag)
 
   def _recorded(self, kind: str, wire: str, size: int):
     """The flight recorder's note of one call: its peers are the ring."""
@@ -432,7 +477,7 @@ class SocketRing:
 
   def _send_receive_locked(self, x: np.ndarray, flat_out: np.ndarray, *,
                            tag: int, what: str = "exchange") -> None:
-    blocks = schedule.blocks((0, x.size), self._block)
+    blocks = ring_schedule.blocks((0, x.size), self._block)
     self._call_locked(what, x.size, "float32", tag, [(
         [lambda lo=lo, hi=hi: as_bytes(x[lo:hi]) for lo, hi in blocks],
         [(as_bytes(flat_out[lo:hi]), None, -1) for lo, hi in blocks])])
@@ -473,7 +518,7 @@ class SocketRing:
           source=self._source, secret=self._secret,
           ports=self._ports_text,
           authenticate_values=self._authenticate_values,
-          threaded_bytes=self._threaded_bytes, doubling_bytes=0)
+          threaded_bytes=self._threaded_bytes)
       self._pairs[partner] = pair
     return pair
 
