@@ -500,7 +500,7 @@ class RuleTest(parameterized.TestCase):
     self.assertEqual(ring.schedule_for(nbytes, wire), expected)
 
   @parameterized.named_parameters(("unknown", "tree"), ("empty", ""),
-                                  ("case", "Ring"))
+                                  ("case", "Ring"), ("list", ["ring"]))
   def test_unknown_schedule_is_a_config_error(self, name):
     with self.assertRaises(tfdist.ConfigError) as caught:
       _ring_of(2, schedule=name)

@@ -236,7 +236,8 @@ class SocketRing:
           field="authenticate_values", value=True, source=source,
           expected=f"a job secret ({_net.JOB_SECRET_VARIABLE} or secret=)")
     self._authenticate_values = bool(authenticate_values)
-    if schedule is not None and schedule not in SCHEDULES:
+    if schedule is not None and not (isinstance(schedule, str)
+                                     and schedule in SCHEDULES):
       raise ConfigError(field="schedule", value=schedule, source=source,
                         expected=f"None (the rule) or one of "
                                  f"{sorted(SCHEDULES)}")
