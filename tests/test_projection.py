@@ -5,7 +5,6 @@ Pure arithmetic: no TensorFlow and no timing; one subprocess runs
 """
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -17,11 +16,16 @@ import pytest
 
 import cluster_utils
 from tfdist.bench import projection
+from tfdist.ring import socket_ring
 
 _MB = 1 << 20
 # A link with round numbers: 1e9 bytes/s, 10 us a hop.
 _LINK = projection.Link(bytes_per_s=1e9, latency_s=1e-5)
 _NO_LATENCY = projection.Link(bytes_per_s=1e9, latency_s=0.0)
+
+
+def _ring(p, size, link=_LINK):
+  return projection.allreduce_seconds("ring", p, size, link)
 
 
 @pytest.mark.beside
@@ -36,33 +40,22 @@ class ClosedFormTest(parameterized.TestCase):
       ("empty", 8, 0, 14 * 1e-5),
   )
   def test_ring(self, p, size, expected):
-    self.assertAlmostEqual(projection.ring_seconds(p, size, _LINK), expected,
-                           places=12)
+    self.assertAlmostEqual(_ring(p, size), expected, places=12)
 
-  @parameterized.named_parameters(
-      # p, depth d, bytes factor w: 2 d alpha + w S / B.
-      ("two_hosts", 2, 1, 1.0),
-      ("three_hosts", 3, 1, 1.5),
-      ("four_hosts", 4, 2, 1.5),
-      ("five_hosts", 5, 2, 2.0),
-      ("eight_hosts", 8, 3, 2.0),
-      ("sixty_four", 64, 6, 2.0),
-      ("sixty_five", 65, 6, 2.0),
-  )
-  def test_tree(self, p, depth, factor):
-    self.assertEqual(projection.tree_depth(p), depth)
-    self.assertEqual(projection.tree_bytes_factor(p), factor)
-    self.assertAlmostEqual(projection.tree_seconds(p, 1e9, _LINK),
-                           2 * depth * 1e-5 + factor, places=12)
-
-  def test_two_hosts_ring_is_s_over_b_each_way_and_equals_the_tree(self):
+  def test_two_hosts_ring_is_s_over_b_each_way(self):
     # Two hosts: each sends half the tensor twice (reduce-scatter, then
     # all-gather): 2 * S / 2 / B, and two latencies.
     for size in (1.0, 4 * _MB, 64 * _MB):
-      ring = projection.ring_seconds(2, size, _LINK)
-      self.assertAlmostEqual(ring, 2 * (1e-5 + size / 2 / 1e9), places=12)
-      self.assertAlmostEqual(ring, projection.tree_seconds(2, size, _LINK),
+      self.assertAlmostEqual(_ring(2, size), 2 * (1e-5 + size / 2 / 1e9),
                              places=12)
+
+  def test_tfdist_is_the_socket_rings_pick(self):
+    for p in (2, 3, 8, 64):
+      for size in (4 << 10, 256 << 10, 32 * _MB):
+        pick = socket_ring.choose(p, size)
+        self.assertEqual(
+            projection.allreduce_seconds("tfdist", p, size, _LINK),
+            projection.allreduce_seconds(pick, p, size, _LINK))
 
   def test_link_at_is_line_rate_times_goodput(self):
     link = projection.link_at(10, latency_s=5e-5, goodput=0.9)
@@ -77,43 +70,42 @@ class ClosedFormTest(parameterized.TestCase):
 @pytest.mark.beside
 class ShapeTest(parameterized.TestCase):
 
-  @parameterized.product(algorithm=sorted(projection.ALGORITHMS),
+  @parameterized.product(schedule=list(projection.SCHEDULES),
                          p=[2, 3, 4, 8, 64])
-  def test_time_grows_with_size(self, algorithm, p):
-    times = [projection.allreduce_seconds(algorithm, p, s, _LINK)
+  def test_time_grows_with_size(self, schedule, p):
+    times = [projection.allreduce_seconds(schedule, p, s, _LINK)
              for s in (0, 1 * _MB, 4 * _MB, 64 * _MB)]
     self.assertEqual(times, sorted(times))
     self.assertLess(times[0], times[-1])
 
-  @parameterized.named_parameters(("ring", "ring"), ("tree", "tree"))
-  def test_time_never_falls_with_hosts(self, algorithm):
-    times = [projection.allreduce_seconds(algorithm, p, 16 * _MB, _LINK)
-             for p in range(2, 130)]
+  def test_ring_time_never_falls_with_hosts(self):
+    times = [_ring(p, 16 * _MB) for p in range(2, 130)]
     for fewer, more in zip(times, times[1:]):
       self.assertLessEqual(fewer, more + 1e-15)
 
-  @parameterized.named_parameters(("ring", "ring"), ("tree", "tree"))
-  def test_faster_link_is_faster(self, algorithm):
+  @parameterized.named_parameters(*[(s, s) for s in projection.SCHEDULES])
+  def test_faster_link_is_faster(self, schedule):
     for p in (2, 8, 64):
       slow, fast = (projection.allreduce_seconds(
-          algorithm, p, 32 * _MB, projection.link_at(g)) for g in (10, 100))
+          schedule, p, 32 * _MB, projection.link_at(g)) for g in (10, 100))
       self.assertLess(fast, slow)
 
   def test_ring_bandwidth_term_tends_to_twice_the_tensor(self):
     # Bus traffic 2 (p - 1) / p * S: below 2 S, approaching it.
     for p in (2, 8, 64, 1024):
-      t = projection.ring_seconds(p, 1e9, _NO_LATENCY)
+      t = _ring(p, 1e9, _NO_LATENCY)
       self.assertAlmostEqual(t, 2 * (p - 1) / p)
       self.assertLess(t, 2.0)
 
-  def test_unknown_algorithm_names_the_known_ones(self):
-    with self.assertRaisesRegex(ValueError, r"\['ring', 'tree'\].*'halving'"):
-      projection.allreduce_seconds("halving", 4, 1.0, _LINK)
+  def test_unknown_schedule_names_the_known_ones(self):
+    with self.assertRaisesRegex(ValueError, r"\['doubling', .*'ring', "
+                                r"'tfdist'\].*'tree'"):
+      projection.allreduce_seconds("tree", 4, 1.0, _LINK)
 
   @parameterized.named_parameters(("one", 1), ("zero", 0), ("float", 2.0))
   def test_host_count_below_two_is_refused(self, p):
     with self.assertRaisesRegex(ValueError, "p: expected an integer"):
-      projection.ring_seconds(p, 1.0, _LINK)
+      _ring(p, 1.0)
 
   def test_link_refuses_non_positive_rate(self):
     with self.assertRaisesRegex(ValueError, "bytes_per_s=0"):
@@ -121,71 +113,90 @@ class ShapeTest(parameterized.TestCase):
 
 
 @pytest.mark.beside
-class CrossoverTest(parameterized.TestCase):
+class OverlapTest(parameterized.TestCase):
 
-  @parameterized.named_parameters(("three", 3), ("eight", 8), ("sixty_four", 64))
-  def test_tree_below_ring_above(self, p):
-    cross = projection.crossover_bytes(p, _LINK)
-    self.assertGreater(cross, 0)
-    self.assertTrue(math.isfinite(cross))
-    ring, tree = projection.ring_seconds, projection.tree_seconds
-    self.assertAlmostEqual(ring(p, cross, _LINK), tree(p, cross, _LINK),
-                           places=9)
-    self.assertLess(tree(p, cross / 2, _LINK), ring(p, cross / 2, _LINK))
-    self.assertGreater(tree(p, cross * 2, _LINK), ring(p, cross * 2, _LINK))
+  @parameterized.named_parameters(
+      # backward, buckets, seconds per byte of a bucket, expected finish.
+      # One bucket is ready when the pass ends: nothing overlaps.
+      ("one_bucket", 1.0, [10], 0.1, 2.0),
+      # Two cheap buckets: the first crosses during the pass, the second's
+      # sum is the only tail.
+      ("hidden", 1.0, [10, 10], 0.01, 1.1),
+      # Two dear ones: the link is the bottleneck from the first bucket on.
+      ("link_bound", 1.0, [10, 10], 0.1, 2.5),
+      # Buckets of unequal size: ready by bytes made (30% then 100%).
+      ("uneven", 1.0, [3, 7], 0.1, 1.7),
+      ("no_pass", 0.0, [5, 5], 0.1, 1.0),
+  )
+  def test_overlapped_seconds(self, backward, buckets, per_byte, expected):
+    got = projection.overlapped_seconds(
+        backward_s=backward, bucket_bytes=buckets,
+        allreduce=lambda size: per_byte * size)
+    self.assertAlmostEqual(got, expected)
 
-  def test_closed_form_for_many_hosts(self):
-    # p >= 5: S* = (2 (p - 1) - 2 log2 p) alpha B p / 2.
-    p = 64
-    self.assertAlmostEqual(projection.crossover_bytes(p, _LINK),
-                           (126 - 12) * 1e-5 * 1e9 * p / 2)
-
-  def test_special_host_counts(self):
-    self.assertEqual(projection.crossover_bytes(2, _LINK), 0.0)
-    self.assertEqual(projection.crossover_bytes(4, _LINK), math.inf)
-
-  def test_crossover_grows_with_hosts_and_bandwidth(self):
-    by_p = [projection.crossover_bytes(p, _LINK) for p in (3, 8, 64)]
-    self.assertEqual(by_p, sorted(by_p))
-    self.assertLess(projection.crossover_bytes(8, projection.link_at(10)),
-                    projection.crossover_bytes(8, projection.link_at(100)))
-
-
-@pytest.mark.beside
-class StepTest(absltest.TestCase):
-
-  def test_step_adds_compute_and_all_reduce(self):
-    w = projection.Workload(name="w", gradient_bytes=int(1e9), compute_s=1.0)
-    s = projection.step(w, p=2, link=_NO_LATENCY)
+  def test_step_hides_the_all_reduce_behind_the_backward_pass(self):
+    w = projection.Workload(name="w", gradient_bytes=int(1e9), compute_s=1.0,
+                            backward_share=0.5)
+    s = projection.step(w, p=2, link=_NO_LATENCY, schedule="ring",
+                        bucket_bytes=int(1e8))
+    # Ten buckets of 0.1 s each, ready every 0.05 s: the link is the
+    # bottleneck, the pass hides the first bucket's wait only.
     self.assertAlmostEqual(s.allreduce_s, 1.0)
+    self.assertAlmostEqual(s.step_s, 0.5 + 0.05 + 1.0)
+    self.assertAlmostEqual(s.serial_s, 2.0)
+    self.assertAlmostEqual(s.steps_per_s, 1 / s.step_s)
+    self.assertAlmostEqual(s.efficiency, 1.0 / s.step_s)
+
+  def test_one_bucket_is_compute_plus_all_reduce(self):
+    w = projection.Workload(name="w", gradient_bytes=int(1e9), compute_s=1.0)
+    s = projection.step(w, p=2, link=_NO_LATENCY, schedule="ring",
+                        bucket_bytes=int(1e9))
     self.assertAlmostEqual(s.step_s, 2.0)
-    self.assertAlmostEqual(s.steps_per_s, 0.5)
-    self.assertAlmostEqual(s.efficiency, 0.5)
+    self.assertAlmostEqual(s.step_s, s.serial_s)
 
   def test_project_table_covers_every_case(self):
     table = projection.project()
     for name in ("wide_mlp", "cnn"):
       for rate in ("1", "10", "100"):
-        for p in ("2", "3", "4", "8", "64"):
+        for p in ("2", "3", "4", "8", "16", "64"):
           entry = table["steps"][name][rate][p]
-          self.assertEqual(set(entry), {"ring", "tree"})
+          self.assertEqual(set(entry), set(projection.SCHEDULES))
           for s in entry.values():
             self.assertGreater(s["efficiency"], 0)
             self.assertLess(s["efficiency"], 1)
-    self.assertIsNone(table["crossover_bytes"]["10"]["4"])
+    # The CNN's gradients are one bucket: tfdist's step is its pick's.
+    for rate, by_p in table["steps"]["cnn"].items():
+      for p, entry in by_p.items():
+        self.assertEqual(entry["tfdist"], entry[table["picks"]["cnn"][p]])
     text = projection.format_table(table)
     self.assertIn("| 100 | 64 |", text)
-    self.assertIn("tree always", text)
+    self.assertIn("| cnn |", text)
 
   def test_check_sets_measured_beside_predicted(self):
     sweep = {"ring": {"4": {"seconds": 0.01}},
              "none": {"4": {"seconds": 0.03}}}
     got = projection.check(sweep=sweep, link=_NO_LATENCY, p=2)
     row = got["by_size"]["4"]
+    self.assertEqual(row["schedule"], "ring")
     self.assertAlmostEqual(row["predicted_s"], 4 * _MB / 1e9)
     self.assertAlmostEqual(row["ring"]["measured_over_predicted"],
                            0.01 / (4 * _MB / 1e9))
     self.assertNotIn("socket", row)
+
+  def test_check_training_predicts_the_overlapped_step(self):
+    # Compute 0.1 s, a backward pass of 0.04 s, two buckets of 1e7 bytes
+    # over two hosts at 1e9 bytes/s: 0.01 s each.
+    training = {
+        "steps_per_s": {"alone": 10.0, "tfdist": 1 / 0.08},
+        "timeline": [{"backward_s": [0.0, 0.04], "buckets": [
+            {"bytes": int(1e7)}, {"bytes": int(1e7)}]}] * 3}
+    got = projection.check_training(training=training, link=_NO_LATENCY,
+                                    p=2)
+    self.assertAlmostEqual(got["predicted_s"], 0.06 + 0.04 + 0.01)
+    self.assertAlmostEqual(got["serial_s"], 0.1 + 0.02)
+    self.assertAlmostEqual(got["measured_over_predicted"], 0.08 / 0.11)
+    self.assertIsNone(projection.check_training(
+        training={"steps_per_s": {}}, link=_NO_LATENCY, p=2))
 
 
 @pytest.mark.beside

@@ -69,7 +69,7 @@ def write_projection_plot(table: dict, path: str) -> None:
 
   One panel per workload: the share of one host's speed each host keeps
   against the number of hosts, a colour per link rate, the ring solid and
-  the tree dashed (needs matplotlib).
+  the socket ring's pick (``tfdist``) dashed (needs matplotlib).
   """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")  # No display: files only.
@@ -80,11 +80,11 @@ def write_projection_plot(table: dict, path: str) -> None:
   for ax, (name, by_rate) in zip(axes[0], workloads.items()):
     for i, (rate, by_hosts) in enumerate(by_rate.items()):
       hosts = sorted(by_hosts, key=int)
-      for algorithm, style in (("ring", "-"), ("tree", "--")):
+      for schedule, style in (("ring", "-"), ("tfdist", "--")):
         ax.plot([int(p) for p in hosts],
-                [by_hosts[p][algorithm]["efficiency"] for p in hosts],
+                [by_hosts[p][schedule]["efficiency"] for p in hosts],
                 linestyle=style, marker="o", markersize=3, color=f"C{i}",
-                label=f"{rate} Gbit/s, {algorithm}")
+                label=f"{rate} Gbit/s, {schedule}")
     ax.set(xlabel="hosts", ylabel="efficiency (compute / step)",
            title=f"{name}: modelled scaling", ylim=(0, 1.05))
     ax.set_xscale("log", base=2)

@@ -5,71 +5,63 @@ the latency of one hop (what a small message costs end to end: the kernel,
 the switch and the Python calls on both sides), ``B`` the bytes per second
 one host's link moves each way. Every host has one full-duplex link into a
 non-blocking switch, so a schedule's time is its latency terms plus the
-bytes the busiest host sends (or receives) over ``B``. For an all-reduce of
-S bytes over p hosts:
+bytes the busiest host sends (or receives) over ``B``. The schedules are
+tfdist's socket ring's own (`tfdist.ring.socket_ring.SCHEDULES`, each
+module's ``seconds`` its model): for an all-reduce of S bytes over p hosts
 
-* **ring** (reduce-scatter then all-gather, as tfdist's socket ring and
-  NCCL's ring): ``2 (p - 1)`` steps, each moving one segment of ``S / p``
-  to the next host while taking one from the previous::
+* **ring** (reduce-scatter then all-gather, as NCCL's ring):
+  ``2 (p - 1) alpha + 2 (p - 1) / p * S / B``;
+* **halving** (Rabenseifner's recursive halving, then doubling):
+  ``2 log2 p alpha + 2 (p - 1) / p * S / B`` for p a power of two;
+* **doubling** (recursive doubling): ``log2 p (alpha + S / B)``;
 
-      T_ring = 2 (p - 1) alpha + 2 (p - 1) / p * S / B
+and **tfdist**, the one the socket ring's rule picks for the size and host
+count (`tfdist.ring.socket_ring.choose`, with its default link).
 
-* **tree**: the pipelined double binary tree of Sanders, Speck and Traeff
-  ("Two-tree algorithms for full bandwidth broadcast, reduction and scan",
-  Parallel Computing 35(12), 2009), the tree NCCL uses since 2.4. Each half
-  of the tensor is reduced up one binary tree and broadcast down it; a host
-  is inside one tree and a leaf of the other. Pipelined in chunks small
-  enough that filling the pipeline costs nothing but large enough that
-  each hop's latency is paid once (the limit of the pipeline: optimistic
-  for the tree by the fill term)::
+A training step (weak scaling: the same batch per host) runs its forward
+pass, its backward pass, then the update. tfdist's transport cuts the
+gradients into buckets (`DEFAULT_BUCKET_BYTES`) and all-reduces each as
+soon as the backward pass has made it, one after the other, while the pass
+goes on (`tfdist.strategy.buckets`). With the bucket bytes made at an even
+rate over the pass (bucket k ready at ``backward * (bytes up to k) / S``),
+the last sum ends at ``f_K``, where ``f_0 = 0`` and ``f_k = max(f_(k-1),
+ready_k) + T(bucket k)``; the step is the compute outside the backward pass
+plus that (`overlapped_seconds`)::
 
-      T_tree = 2 d alpha + w S / B
-
-  with ``d = floor(log2 p)`` the depth of the tree (heap order: host i's
-  children are 2i + 1 and 2i + 2) and ``w S`` the bytes the busiest host
-  moves each way: half the tensor from (or to) each child and the parent
-  in the tree it is inside, plus half as a leaf of the other (``w`` = 1 at
-  p = 2, where the tree is the ring; 1.5 at 3 and 4; 2 from 5 on).
-
-The ring moves fewer bytes (``2 (p - 1) / p < 2``), the tree pays fewer
-latencies (``2 log2 p`` against ``2 (p - 1)``): the tree is faster below
-`crossover_bytes`, the ring above. (Recursive halving and doubling,
-Rabenseifner's algorithm, would pay ``2 log2 p`` latencies and move the
-ring's bytes: in this model it is never slower than either for p a power
-of two. What it ignores decides against it in practice: every step talks
-to a different host, across the switch at growing distance.)
-
-A training step (weak scaling: the same batch per host) computes, then
-all-reduces its gradients, one call after the backward pass as tfdist's
-socket transport does (no overlap)::
-
-  T_step(p) = compute + T_allreduce(p, S)      (T_step(1) = compute)
+  T_step(p) = compute - backward + f_K        (T_step(1) = compute)
 
 ``steps/s = 1 / T_step`` and scaling efficiency ``T_step(1) / T_step(p)``.
+``serial_s`` is the step without overlap, compute plus one all-reduce of
+all the gradients, for comparison.
 
 No TensorFlow here: `tfdist bench --project` prints `format_table` of
-`project`; `check` sets a measured sweep beside the model's prediction
-from the alpha and B measured in the same run.
+`project`; `check` sets a measured all-reduce sweep beside the model's
+prediction from the alpha and B measured in the same run, and
+`check_training` a measured step beside ``T_step`` from the same run's
+compute, backward pass, buckets and link (``tfdist bench --across-hosts``).
 
 Example::
 
   link = link_at(10)                      # 10 Gbit/s, DEFAULT_LATENCY_S
-  ring_seconds(8, WIDE_MLP.gradient_bytes, link)
-  step(WIDE_MLP, p=8, link=link, algorithm="tree").steps_per_s
+  allreduce_seconds("ring", 8, WIDE_MLP.gradient_bytes, link)
+  step(WIDE_MLP, p=8, link=link).steps_per_s  # tfdist's pick, overlapped
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["Link", "Workload", "Step", "ALGORITHMS", "WORKLOADS",
+from tfdist.ring import socket_ring
+
+__all__ = ["Link", "Workload", "Step", "SCHEDULES", "WORKLOADS",
            "HOST_COUNTS", "RATES_GBIT", "DEFAULT_LATENCY_S",
-           "DEFAULT_GOODPUT", "WIDE_MLP", "CNN", "link_at", "ring_seconds",
-           "tree_seconds", "tree_depth", "tree_bytes_factor",
-           "allreduce_seconds", "crossover_bytes", "step", "project",
-           "check", "format_table"]
+           "DEFAULT_GOODPUT", "DEFAULT_BUCKET_BYTES", "BACKWARD_SHARE",
+           "WIDE_MLP", "CNN", "link_at", "allreduce_seconds",
+           "overlapped_seconds", "step", "project", "check",
+           "check_training", "format_table"]
 
 #: One hop's latency (s) when none is measured: the token round of
 #: `tfdist.bench.link.hop_latency` between two hosts of the test bed
@@ -80,8 +72,17 @@ DEFAULT_LATENCY_S = 30e-6
 #: at 1 Gbit/s and 1182 MB/s at 10 Gbit/s (0.95 and 0.946).
 DEFAULT_GOODPUT = 0.95
 #: Host counts and link rates (Gbit/s) of the projection table.
-HOST_COUNTS: tuple[int, ...] = (2, 3, 4, 8, 64)
+HOST_COUNTS: tuple[int, ...] = (2, 3, 4, 8, 16, 64)
 RATES_GBIT: tuple[float, ...] = (1, 10, 100)
+#: tfdist's bucket (`tfdist.perf.GradientOptions.bucket_bytes`' default).
+DEFAULT_BUCKET_BYTES = 25 << 20
+#: The backward pass's share of a step's compute when none is measured: it
+#: multiplies twice as much as the forward pass (a gradient for the inputs
+#: and one for the weights). The bed's timelines measured 0.46-0.53 for
+#: ``wide_mlp`` (docs/benchmarks.md).
+BACKWARD_SHARE = 0.5
+#: The schedules projected: the socket ring's, and ``tfdist`` (the rule's).
+SCHEDULES: tuple[str, ...] = (*socket_ring.SCHEDULES, "tfdist")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,10 +112,12 @@ class Workload:
     gradient_bytes: float32 bytes all-reduced per step (S).
     compute_s: one host's step without the all-reduce (forward, backward,
       update), at the per-host batch.
+    backward_share: the backward pass's share of ``compute_s``.
   """
   name: str
   gradient_bytes: int
   compute_s: float
+  backward_share: float = BACKWARD_SHARE
 
 
 # The bench's models (tfdist/bench/models.py), counted without TensorFlow:
@@ -136,77 +139,56 @@ def link_at(gbit_per_s: float, *, latency_s: float = DEFAULT_LATENCY_S,
   return Link(bytes_per_s=gbit_per_s * 1e9 / 8 * goodput, latency_s=latency_s)
 
 
-def _check_hosts(p: int) -> None:
-  if not isinstance(p, int) or p < 2:
-    raise ValueError(f"p: expected an integer host count >= 2, got {p!r}")
-
-
-def ring_seconds(p: int, size_bytes: float, link: Link) -> float:
-  """``2 (p - 1) alpha + 2 (p - 1) / p * S / B``."""
-  _check_hosts(p)
-  return 2 * (p - 1) * (link.latency_s + size_bytes / p / link.bytes_per_s)
-
-
-def tree_depth(p: int) -> int:
-  """Hops from the root to the deepest host: ``floor(log2 p)``."""
-  _check_hosts(p)
-  return p.bit_length() - 1
-
-
-def tree_bytes_factor(p: int) -> float:
-  """``w``: the busiest host's bytes each way, in tensors, in a double tree.
-
-  Inside its tree a host takes half the tensor from each child and from its
-  parent (reduce up, broadcast down) and sends as much; as a leaf of the
-  other tree, half once each way. Heap order: host i's children are
-  ``2i + 1`` and ``2i + 2``.
-  """
-  _check_hosts(p)
-  busiest = max(sum(1 for c in (2 * i + 1, 2 * i + 2) if c < p) + (i > 0)
-                for i in range(min(p, 3)))  # Hosts 0-2 are the busiest.
-  return (busiest + 1) / 2
-
-
-def tree_seconds(p: int, size_bytes: float, link: Link) -> float:
-  """``2 d alpha + w S / B`` (the pipelined double binary tree)."""
-  return (2 * tree_depth(p) * link.latency_s
-          + tree_bytes_factor(p) * size_bytes / link.bytes_per_s)
-
-
-#: All-reduce schedules: name -> seconds(p, S, link).
-ALGORITHMS: dict[str, Callable[[int, float, Link], float]] = {
-    "ring": ring_seconds,
-    "tree": tree_seconds,
-}
-
-
-def allreduce_seconds(algorithm: str, p: int, size_bytes: float,
+def allreduce_seconds(schedule: str, p: int, size_bytes: float,
                       link: Link) -> float:
-  """The modelled all-reduce time by ``algorithm`` (`ALGORITHMS`).
+  """The modelled all-reduce time of ``size_bytes`` by ``schedule``.
+
+  Args:
+    schedule: one of `SCHEDULES`; ``"tfdist"`` is the schedule the socket
+      ring's rule picks for this size and host count.
+    p: hosts, 2 or more.
+    size_bytes: float32 bytes.
+    link: alpha and B.
 
   Raises:
-    ValueError: an unknown algorithm, naming the known ones.
+    ValueError: an unknown schedule, naming the known ones, or fewer than
+      two hosts.
   """
-  if algorithm not in ALGORITHMS:
-    raise ValueError(f"algorithm: expected one of {sorted(ALGORITHMS)}, got "
-                     f"{algorithm!r}")
-  return ALGORITHMS[algorithm](p, size_bytes, link)
+  if schedule not in SCHEDULES:
+    raise ValueError(f"schedule: expected one of {list(SCHEDULES)}, got "
+                     f"{schedule!r}")
+  if not isinstance(p, int) or p < 2:
+    raise ValueError(f"p: expected an integer host count >= 2, got {p!r}")
+  if schedule == "tfdist":
+    schedule = socket_ring.choose(p, int(size_bytes))
+  return socket_ring.SCHEDULES[schedule].seconds(
+      p, size_bytes, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
 
 
-def crossover_bytes(p: int, link: Link) -> float:
-  """The size at which ring and tree take equally long.
+def overlapped_seconds(*, backward_s: float, bucket_bytes: Sequence[float],
+                       allreduce: Callable[[float], float]) -> float:
+  """From the backward pass's start to the last bucket's sum.
 
-  Below it the tree is faster, above it the ring. ``math.inf`` where the
-  tree is never slower (p = 4: it moves the ring's bytes with fewer
-  latencies); 0 at p = 2, where the two are the same schedule.
+  The buckets' bytes are made at an even rate over ``backward_s`` (bucket
+  k ready once the bytes up to it are), and cross one after the other,
+  each as soon as it is ready and the one before has crossed.
+
+  Args:
+    backward_s: the backward pass.
+    bucket_bytes: each bucket's bytes, in the order they are made.
+    allreduce: one bucket's all-reduce time by its bytes.
   """
-  latency_gap = (2 * (p - 1) - 2 * tree_depth(p)) * link.latency_s
-  bytes_gap = (tree_bytes_factor(p) - 2 * (p - 1) / p) / link.bytes_per_s
-  if latency_gap <= 0:
-    return 0.0
-  if bytes_gap <= 1e-15 / link.bytes_per_s:
-    return math.inf
-  return latency_gap / bytes_gap
+  total, made, finish = sum(bucket_bytes), 0.0, 0.0
+  for size in bucket_bytes:
+    made += size
+    finish = max(finish, backward_s * made / total) + allreduce(size)
+  return max(finish, backward_s)
+
+
+def _buckets(size_bytes: int, bucket_bytes: int) -> list[int]:
+  """``size_bytes`` cut into buckets of ``bucket_bytes``, the rest last."""
+  whole, rest = divmod(size_bytes, bucket_bytes)
+  return [bucket_bytes] * whole + ([rest] if rest else [])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -214,25 +196,34 @@ class Step:
   """One modelled training step.
 
   Attributes:
-    allreduce_s: the all-reduce of the gradients.
-    step_s: compute plus all-reduce.
+    allreduce_s: the buckets' all-reduces, one after the other.
+    step_s: the step, the buckets crossing during the backward pass.
+    serial_s: the step with one all-reduce after the backward pass.
     steps_per_s: ``1 / step_s``.
     efficiency: ``compute / step_s``: the share of one host's speed each
       host keeps.
   """
   allreduce_s: float
   step_s: float
+  serial_s: float
   steps_per_s: float
   efficiency: float
 
 
-def step(workload: Workload, *, p: int, link: Link,
-         algorithm: str = "ring") -> Step:
-  """``workload``'s step on ``p`` hosts, the all-reduce by ``algorithm``."""
-  ar = allreduce_seconds(algorithm, p, workload.gradient_bytes, link)
-  total = workload.compute_s + ar
-  return Step(allreduce_s=ar, step_s=total, steps_per_s=1 / total,
-              efficiency=workload.compute_s / total)
+def step(workload: Workload, *, p: int, link: Link, schedule: str = "tfdist",
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Step:
+  """``workload``'s step on ``p`` hosts, each bucket by ``schedule``."""
+  def allreduce(size: float) -> float:
+    return allreduce_seconds(schedule, p, size, link)
+
+  buckets = _buckets(workload.gradient_bytes, bucket_bytes)
+  backward = workload.compute_s * workload.backward_share
+  total = workload.compute_s - backward + overlapped_seconds(
+      backward_s=backward, bucket_bytes=buckets, allreduce=allreduce)
+  return Step(allreduce_s=sum(map(allreduce, buckets)), step_s=total,
+              serial_s=workload.compute_s + allreduce(
+                  workload.gradient_bytes),
+              steps_per_s=1 / total, efficiency=workload.compute_s / total)
 
 
 def project(*, workloads: Sequence[Workload] = (WIDE_MLP, CNN),
@@ -240,40 +231,36 @@ def project(*, workloads: Sequence[Workload] = (WIDE_MLP, CNN),
             rates_gbit: Sequence[float] = RATES_GBIT,
             latency_s: float = DEFAULT_LATENCY_S,
             goodput: float = DEFAULT_GOODPUT) -> dict:
-  """The table: every workload, rate, host count and algorithm.
+  """The table: every workload, rate, host count and schedule.
 
   Returns:
-    ``{"assumptions": {...}, "crossover_bytes": {rate: {p: bytes}},
-    "steps": {workload: {rate: {p: {algorithm: Step as a dict}}}}}``, rates
-    and host counts as strings (JSON keys); an infinite crossover is
-    ``None``.
+    ``{"assumptions": {...}, "steps": {workload: {rate: {p: {schedule:
+    Step as a dict}}}}, "picks": {workload: {p: schedule}}}`` (the rule's
+    pick for one bucket of the workload's first bucket size), rates and
+    host counts as strings (JSON keys).
   """
   steps: dict = {}
-  crossover: dict = {}
   for rate in rates_gbit:
     link = link_at(rate, latency_s=latency_s, goodput=goodput)
-    crossover[f"{rate:g}"] = {
-        str(p): _finite(crossover_bytes(p, link)) for p in host_counts}
     for w in workloads:
       steps.setdefault(w.name, {})[f"{rate:g}"] = {
-          str(p): {a: dataclasses.asdict(step(w, p=p, link=link,
-                                              algorithm=a))
-                   for a in ALGORITHMS}
+          str(p): {s: dataclasses.asdict(step(w, p=p, link=link, schedule=s))
+                   for s in SCHEDULES}
           for p in host_counts}
+  picks = {w.name: {str(p): socket_ring.choose(
+      p, _buckets(w.gradient_bytes, DEFAULT_BUCKET_BYTES)[0])
+                    for p in host_counts} for w in workloads}
   return {"assumptions": {"latency_s": latency_s, "goodput": goodput,
+                          "bucket_bytes": DEFAULT_BUCKET_BYTES,
                           "workloads": {w.name: dataclasses.asdict(w)
                                         for w in workloads}},
-          "crossover_bytes": crossover, "steps": steps}
-
-
-def _finite(x: float) -> float | None:
-  return None if math.isinf(x) else x
+          "steps": steps, "picks": picks}
 
 
 def check(*, sweep: Mapping[str, Mapping[str, Mapping[str, float]]],
           link: Link, p: int, methods: Sequence[str] = ("ring", "socket",
                                                        "none")) -> dict:
-  """A measured all-reduce sweep beside the ring model's prediction.
+  """A measured all-reduce sweep beside the model's prediction.
 
   Args:
     sweep: `tfdist.bench.allreduce.sweep`'s result (``{method: {size_mb:
@@ -285,14 +272,17 @@ def check(*, sweep: Mapping[str, Mapping[str, Mapping[str, float]]],
 
   Returns:
     ``{"latency_s", "bytes_per_s", "p", "by_size": {size_mb:
-    {"predicted_s": ring model, method: {"measured_s", "measured_over_predicted"}}}}``.
+    {"schedule": the rule's pick, "predicted_s": its model, method:
+    {"measured_s", "measured_over_predicted"}}}}``.
   """
   sizes = sorted({s for m in methods if m in sweep for s in sweep[m]},
                  key=float)
   by_size = {}
   for size in sizes:
-    predicted = ring_seconds(p, float(size) * (1 << 20), link)
-    row: dict = {"predicted_s": predicted}
+    nbytes = float(size) * (1 << 20)
+    predicted = allreduce_seconds("tfdist", p, nbytes, link)
+    row: dict = {"schedule": socket_ring.choose(p, int(nbytes)),
+                 "predicted_s": predicted}
     for m in methods:
       if size in sweep.get(m, {}):
         measured = sweep[m][size]["seconds"]
@@ -303,38 +293,75 @@ def check(*, sweep: Mapping[str, Mapping[str, Mapping[str, float]]],
           "p": p, "by_size": by_size}
 
 
+def check_training(*, training: Mapping, link: Link, p: int) -> dict | None:
+  """tfdist's measured step beside the overlapped step's prediction.
+
+  The prediction takes this run's figures: the compute (``alone``'s step,
+  nothing exchanged), the backward pass and each bucket's bytes from the
+  timeline (`tfdist.strategy.timeline`), alpha and B.
+
+  Args:
+    training: ``tfdist bench --across-hosts``' ``raw.training``.
+    link: alpha and B measured in the same run.
+    p: hosts.
+
+  Returns:
+    ``{"predicted_s", "serial_s", "measured_s", "measured_over_predicted",
+    "backward_s", "bucket_bytes"}``; ``None`` without a timeline.
+  """
+  steps = training.get("timeline")
+  if not steps:
+    return None
+  compute = 1 / training["steps_per_s"]["alone"]
+  backward = statistics.median(s["backward_s"][1] - s["backward_s"][0]
+                               for s in steps)
+  buckets = [b["bytes"] for b in steps[0]["buckets"]]
+
+  def allreduce(size: float) -> float:
+    return allreduce_seconds("tfdist", p, size, link)
+
+  predicted = compute - backward + overlapped_seconds(
+      backward_s=backward, bucket_bytes=buckets, allreduce=allreduce)
+  measured = 1 / training["steps_per_s"]["tfdist"]
+  return {"predicted_s": predicted,
+          "serial_s": compute + allreduce(sum(buckets)),
+          "measured_s": measured,
+          "measured_over_predicted": measured / predicted,
+          "backward_s": backward, "bucket_bytes": buckets}
+
+
 def format_table(projection: dict) -> str:
   """`project`'s result as Markdown tables: steps/s and efficiency."""
   a = projection["assumptions"]
+  shown = ("ring", "halving", "tfdist")
+  shown = tuple(s for s in shown if s in SCHEDULES)
   lines = [f"alpha {a['latency_s'] * 1e6:g} us per hop, TCP carries "
-           f"{a['goodput']:g} of the line rate; ring | tree",
+           f"{a['goodput']:g} of the line rate, buckets of "
+           f"{a['bucket_bytes'] >> 20} MiB crossing during the backward "
+           f"pass; {' | '.join(shown)} (tfdist: the socket ring's pick)",
            ""]
   for name, by_rate in projection["steps"].items():
     w = a["workloads"][name]
     lines += [f"{name}: {w['gradient_bytes'] / 1e6:.2f} MB of gradients, "
               f"compute {w['compute_s'] * 1e3:g} ms a step",
               "",
-              "| Gbit/s | hosts | all-reduce ms (ring / tree) | "
-              "steps/s (ring / tree) | efficiency (ring / tree) |",
-              "|---|---|---|---|---|"]
+              "| Gbit/s | hosts | all-reduce ms | steps/s | efficiency | "
+              "tfdist without overlap |",
+              "|---|---|---|---|---|---|"]
     for rate, by_p in by_rate.items():
       for p, s in by_p.items():
-        r, t = s["ring"], s["tree"]
         lines.append(
-            f"| {rate} | {p} | {r['allreduce_s'] * 1e3:.2f} / "
-            f"{t['allreduce_s'] * 1e3:.2f} | {r['steps_per_s']:.2f} / "
-            f"{t['steps_per_s']:.2f} | {r['efficiency']:.3f} / "
-            f"{t['efficiency']:.3f} |")
+            f"| {rate} | {p} | "
+            + " / ".join(f"{s[k]['allreduce_s'] * 1e3:.2f}" for k in shown)
+            + " | " + " / ".join(f"{s[k]['steps_per_s']:.2f}" for k in shown)
+            + " | " + " / ".join(f"{s[k]['efficiency']:.3f}" for k in shown)
+            + f" | {w['compute_s'] / s['tfdist']['serial_s']:.3f} |")
     lines.append("")
-  lines += ["ring vs tree: the tree is faster below these sizes (MB), "
-            "the ring above", "",
-            "| Gbit/s | " + " | ".join(
+  lines += ["The socket ring's pick for the first bucket:", "",
+            "| workload | " + " | ".join(
                 f"p={p}" for p in next(iter(
-                    projection["crossover_bytes"].values()))) + " |",
-            "|---|" + "---|" * len(next(iter(
-                projection["crossover_bytes"].values())))]
-  for rate, by_p in projection["crossover_bytes"].items():
-    cells = ["tree always" if b is None else "same schedule" if b == 0
-             else f"{b / 1e6:.3g}" for b in by_p.values()]
-    lines.append(f"| {rate} | " + " | ".join(cells) + " |")
+                    projection["picks"].values()))) + " |",
+            "|---|" + "---|" * len(next(iter(projection["picks"].values())))]
+  for name, by_p in projection["picks"].items():
+    lines.append(f"| {name} | " + " | ".join(by_p.values()) + " |")
   return "\n".join(lines)
