@@ -44,8 +44,8 @@ import numpy as np
 
 from tfdist.ring import pieces
 
-__all__ = ["NAME", "WIRES", "ADD", "GIVE", "TAKE", "Step", "steps",
-           "exchanges", "partners", "seconds", "all_reduce"]
+__all__ = ["NAME", "WIRES", "CAP_BYTES", "ADD", "GIVE", "TAKE", "Step",
+           "steps", "exchanges", "partners", "seconds", "all_reduce"]
 
 #: Its name in `tfdist.ring.socket_ring.SCHEDULES`.
 NAME = "doubling"
@@ -62,7 +62,7 @@ WIRES = ("float32",)
 #: messages sometimes stalled on the bed's shaped links (2 hosts at
 #: 10 Gbit/s: 0.35x at 64 KiB in 2 runs of 3, 0.54x at 128 KiB). So never
 #: above this.
-_CAP_BYTES = 32 << 10
+CAP_BYTES = 32 << 10
 
 #: Send this rank's partial sum, receive the partner's and add it in.
 ADD = "add"
@@ -154,7 +154,7 @@ def all_reduce(ring, x: pieces.Pieces, out: pieces.Pieces, wire: str,
   if len(x.arrays) == 1:
     _double(ring, x.arrays[0], out.arrays[0], tag)
     return
-  flat = np.concatenate(x.arrays)  # At most _CAP_BYTES, unless forced.
+  flat = np.concatenate(x.arrays)  # At most CAP_BYTES, unless forced.
   _double(ring, flat, flat, tag)
   for at, o in out.views(0, out.size):
     np.copyto(o, flat[at:at + o.size])

@@ -55,16 +55,18 @@ from tfdist.ring.schedule import Span
 from tfdist.ring.schedule import blocks
 from tfdist.ring.wire import as_bytes
 
-__all__ = ["NAME", "WIRES", "Step", "steps", "seconds", "all_reduce"]
+__all__ = ["NAME", "WIRES", "CAP_BYTES", "Step", "steps", "seconds",
+           "all_reduce"]
 
 #: Its name in `tfdist.ring.socket_ring.SCHEDULES`.
 NAME = "halving"
 #: The wire dtypes it carries (compressed wires take the ring).
+WIRES = ("float32",)
 #: No cap, unlike doubling: it moves the ring's bytes in blocks as the ring
 #: does, and measured on loopback (2 cores, 8 and 16 processes, forced by
 #: ``schedule=``) the ring took 0.91-2.3x its time from 1 to 64 MiB, the
 #: two in the machine's noise at 4 MiB and up, halving ahead below.
-WIRES = ("float32",)
+CAP_BYTES = None
 
 _NONE = (0, 0)
 

@@ -45,14 +45,16 @@ from tfdist.ring.wire import as_bytes
 from tfdist.ring.wire import decode
 from tfdist.ring.wire import encode
 
-__all__ = ["NAME", "WIRES", "Span", "Step", "segments", "segment_capacity",
-           "reduce_scatter", "all_gather", "owned", "blocks", "seconds",
-           "all_reduce"]
+__all__ = ["NAME", "WIRES", "CAP_BYTES", "Span", "Step", "segments",
+           "segment_capacity", "reduce_scatter", "all_gather", "owned",
+           "blocks", "seconds", "all_reduce"]
 
 #: Its name in `tfdist.ring.socket_ring.SCHEDULES`.
 NAME = "ring"
 #: The wire dtypes it carries: every one.
 WIRES = tuple(WIRE_DTYPES)
+#: No cap: it takes every call the others do not.
+CAP_BYTES = None
 
 #: Elements ``lo`` up to (not including) ``hi`` of the flat buffer.
 Span = tuple[int, int]

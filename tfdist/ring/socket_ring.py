@@ -100,8 +100,8 @@ DEFAULT_BLOCK_BYTES = 512 << 10
 
 #: The schedules by name, a module each with ``NAME``, ``WIRES`` (the wire
 #: dtypes it carries), ``seconds(size, nbytes, *, latency_s, bytes_per_s)``
-#: (its alpha-beta model), optionally ``_CAP_BYTES`` (float32 bytes above
-#: which `choose` never picks it) and ``all_reduce(ring, x, out, wire,
+#: (its alpha-beta model), ``CAP_BYTES`` (float32 bytes above which
+#: `choose` never picks it; ``None``: no cap) and ``all_reduce(ring, x, out, wire,
 #: tag)``, run under the ring's lock. The ring, last, takes every call the
 #: others do not.
 SCHEDULES = {m.NAME: m for m in (doubling, halving, ring_schedule)}
@@ -126,7 +126,7 @@ def choose(size: int, nbytes: int, wire: str = "float32", *,
            bytes_per_s: float = DEFAULT_BYTES_PER_S) -> str:
   """The schedule an all-reduce takes: the rule, the same on every rank.
 
-  Of `SCHEDULES` that carry ``wire`` and whose cap (``_CAP_BYTES``) admits
+  Of `SCHEDULES` that carry ``wire`` and whose cap (``CAP_BYTES``) admits
   ``nbytes``, the one whose model (``seconds``) is least, a message of
   ``b`` bytes costing ``latency_s + b / bytes_per_s``; the ring on a tie,
   for one rank and for an empty buffer.
@@ -147,7 +147,8 @@ def choose(size: int, nbytes: int, wire: str = "float32", *,
   model = dict(latency_s=latency_s, bytes_per_s=bytes_per_s)
   least = ring_schedule.seconds(size, nbytes, **model) * (1 - _TIE)
   for name, m in SCHEDULES.items():
-    if wire in m.WIRES and nbytes <= getattr(m, "_CAP_BYTES", nbytes):
+    if wire in m.WIRES and (m.CAP_BYTES is None
+                            or nbytes <= m.CAP_BYTES):
       seconds = m.seconds(size, nbytes, **model)
       if seconds < least:
         best, least = name, seconds
