@@ -19,6 +19,7 @@ import pytest
 
 import cluster_utils
 from tfdist.bench import allreduce
+from tfdist.bench import hosts
 from tfdist.bench import models
 from tfdist.bench import overhead
 from tfdist.bench import procs
@@ -360,7 +361,8 @@ class OverheadSpreadTest(parameterized.TestCase):
   def test_validate_and_table_read_the_windows(self):
     report = _smallest_report({"fit": _case(0.97, [1.0] * 2, [0.97] * 2)})
     report_lib.validate(report)
-    self.assertIn("| fit | 0.970 | 0.970 / 0.970 / 0.970 | 0 of 2 | 0.50 | no |",
+    self.assertIn("| fit | 0.970 | 0.970 / 0.970 / 0.970 | 0 of 2 | 0.50 "
+                  "| no |",
                   report_lib.format_table({**report, "targets": {}}))
     del report["raw"]["overhead"]["fit"]["windows"]["told_apart"]
     with self.assertRaisesRegex(report_lib.ReportError,
@@ -370,6 +372,62 @@ class OverheadSpreadTest(parameterized.TestCase):
     with self.assertRaisesRegex(report_lib.ReportError,
                                 "raw.overhead.fit.windows.ratios"):
       report_lib.validate(report)
+
+
+class ProcessorCostTest(parameterized.TestCase):
+  """The ring's processor seconds a GB beside the TCP stream's
+  (`hosts.processor_cost`), and why a miss is a miss."""
+
+  _GB_16_MIB = 16 * 2**20 / 1e9
+
+  @parameterized.named_parameters(
+      # 2 workers send the tensor once: a GB reduced is a GB on the wire.
+      ("two_workers", 2, 1.0),
+      # 4 send 2 (4 - 1) / 4 of it.
+      ("four_workers", 4, 1.5),
+  )
+  def test_per_gb_reduced_and_on_the_wire(self, workers, wire):
+    # 0.6 s a GB on the wire at 16 MiB, the largest size (not "4" of the
+    # names' order); 4 MiB, and exchange, cost other amounts.
+    sweep = {"ring": {"4": {"cpu_seconds": 1.0},
+                      "16": {"cpu_seconds": 0.6 * self._GB_16_MIB * wire}},
+             "exchange": {"16": {"cpu_seconds": 0.4 * self._GB_16_MIB * wire}}}
+    p = hosts.processor_cost(link={"cpu_s_per_gb": 0.5}, sweep=sweep,
+                             workers=workers)
+    self.assertEqual(p["size_mb"], "16")
+    self.assertAlmostEqual(p["tcp_cpu_s_per_gb"], 0.5)
+    self.assertAlmostEqual(p["ring_cpu_s_per_gb_wire"], 0.6)
+    self.assertAlmostEqual(p["ring_cpu_s_per_gb_reduced"], 0.6 * wire)
+    self.assertAlmostEqual(p["ring_cpu_vs_tcp"], 1.2)
+    self.assertAlmostEqual(p["exchange_cpu_s_per_gb_wire"], 0.4)
+    self.assertAlmostEqual(p["exchange_cpu_vs_tcp"], 0.8)
+
+  @parameterized.named_parameters(
+      ("arithmetic", 0.4, 0.8, ["the additions and copies cost 1.60 a GB",
+                                "The ring's arithmetic is the gap"]),
+      ("sockets", 1.0, 2.0, ["(exchange) 1.00 (2.00x the stream)",
+                             "The ring's sockets are the gap"]),
+      ("no_exchange", None, None, ["spent 2.00 processor seconds a GB sent "
+                                   "(2.00 a GB reduced), the TCP stream "
+                                   "0.50: 4.00x (<= 1.5 wanted)"]),
+  )
+  def test_a_miss_says_why(self, exchange, ceiling, said):
+    gb = self._GB_16_MIB
+    sweep = {"ring": {"16": {"cpu_seconds": 2.0 * gb}}}
+    if exchange:
+      sweep["exchange"] = {"16": {"cpu_seconds": exchange * gb}}
+    processor = hosts.processor_cost(link={"cpu_s_per_gb": 0.5},
+                                     sweep=sweep, workers=2)
+    target = next(t for t in hosts.TARGETS if t.key == "ring_cpu_vs_tcp")
+    self.assertFalse(target.met(processor["ring_cpu_vs_tcp"]))
+    out = hosts.why_not(target, sweep=sweep, fractions={}, training={},
+                        processor=processor)
+    for text in said:
+      self.assertIn(text, out["why"])
+    if ceiling is None:
+      self.assertNotIn("machine_ceiling", out)
+    else:
+      self.assertAlmostEqual(out["machine_ceiling"], ceiling)
 
 
 class CheckOutputsTest(parameterized.TestCase):

@@ -256,7 +256,8 @@ def format_table(report: dict) -> str:
                 f"{'yes' if entry['met'] else 'no'} | "
                 f"{f'{ceiling:.3f}' if ceiling else ''} |")
   rows += ["", "| overhead case | tfdist / raw | windows min / median / max "
-           "| above 1 | sign test p | told apart |", "|---|---|---|---|---|---|"]
+           "| above 1 | sign test p | told apart |",
+           "|---|---|---|---|---|---|"]
   for name, figures in report["raw"]["overhead"].items():
     w = figures["windows"]
     rows.append(f"| {name} | {figures['ratio']:.3f} | {w['min']:.3f} / "
