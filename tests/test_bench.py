@@ -19,7 +19,9 @@ import pytest
 
 import cluster_utils
 from tfdist.bench import allreduce
+from tfdist.bench import hosts
 from tfdist.bench import models
+from tfdist.bench import overhead
 from tfdist.bench import procs
 from tfdist.bench import report as report_lib
 from tfdist.bench import runner
@@ -84,6 +86,9 @@ class QuickBenchTest(absltest.TestCase):
     self.assertIs(report["config"]["quick"], True)
     self.assertEqual(set(report["raw"]["overhead"]),
                      {"fit", "keras_fit", "runner"})
+    for name, case in report["raw"]["overhead"].items():  # Every window.
+      self.assertLen(case["windows"]["ratios"], runner.QUICK.overhead_rounds)
+      self.assertEqual(report["overhead_by_case"][name], case["ratio"])
     sweep = report["raw"]["allreduce"]["sweep"]
     self.assertEqual(set(sweep), set(allreduce.METHODS))
     self.assertContainsSubset({"none", "fp16", "bf16", "socket",
@@ -190,6 +195,7 @@ class QuickBenchTest(absltest.TestCase):
 
   def test_table_printed(self):
     self.assertIn("| overhead_ratio |", self.stdout)
+    self.assertIn("| overhead case |", self.stdout)
 
   def test_nothing_left_behind(self):
     self.assertEqual(self.left, [])
@@ -281,6 +287,147 @@ class ReportTest(parameterized.TestCase):
   )
   def test_worker_counts_follow_cores(self, cores, counts):
     self.assertEqual(scaling.worker_counts(cores), counts)
+
+
+def _case(ratio: float, variant_s: list[float], baseline_s: list[float],
+          steps: int = 60) -> dict:
+  return {"ratio": ratio,
+          "windows": overhead.spread(variant_s, baseline_s, steps)}
+
+
+def _smallest_report(cases: dict) -> dict:
+  """A report `report_lib.validate` accepts, with these overhead cases."""
+  return {**{k: ({"m": 1.0} if kind is dict else 1.0)
+             for k, kind in report_lib.HEADLINE_KEYS.items()},
+          "targets": {t.key: {"met": True} for t in report_lib.TARGETS},
+          "raw": {**{s: {} for s in report_lib._SECTIONS},
+                  "overhead": cases},
+          "config": {}}
+
+
+class OverheadSpreadTest(parameterized.TestCase):
+  """Each overhead case's windows, paired round by round, and the sign
+  test that says whether tfdist and raw can be told apart."""
+
+  @parameterized.named_parameters(
+      ("all_seven_above", 7, 7, 2 / 2**7),
+      ("all_seven_below", 0, 7, 2 / 2**7),
+      ("six_of_seven", 6, 7, 2 * 8 / 2**7),
+      ("even_split", 3, 6, 1.0),
+      ("one_round", 1, 1, 1.0),
+      ("no_round", 0, 0, 1.0),
+  )
+  def test_sign_test_p(self, above, n, p):
+    self.assertAlmostEqual(overhead.sign_test_p(above, n), p)
+
+  @parameterized.named_parameters(
+      # 60 steps in 0.5 s against 0.6 s, every round: 1.2x, told apart.
+      ("faster_every_round", [0.5] * 7, [0.6] * 7,
+       {"min": 1.2, "median": 1.2, "max": 1.2, "above_one": 7,
+        "sign_test_p": 2 / 2**7, "told_apart": True, "overlap": False}),
+      # Rounds either way, and a tie that counts for neither side.
+      ("either_way", [6.0, 6.0, 6.0], [4.8, 7.5, 6.0],
+       {"min": 0.8, "median": 1.0, "max": 1.25, "above_one": 1,
+        "sign_test_p": 1.0, "told_apart": False, "overlap": True}),
+  )
+  def test_spread(self, variant_s, baseline_s, expected):
+    w = overhead.spread(variant_s, baseline_s, 60)
+    self.assertEqual(w["variant_steps_per_s"], [60 / s for s in variant_s])
+    self.assertEqual(w["baseline_steps_per_s"], [60 / s for s in baseline_s])
+    for got, v, b in zip(w["ratios"], variant_s, baseline_s):
+      self.assertAlmostEqual(got, b / v)  # steps/s over steps/s.
+    for key, value in expected.items():
+      self.assertAlmostEqual(w[key], value, msg=key)
+
+  @parameterized.named_parameters(
+      ("uneven", [1.0, 1.0], [1.0]), ("none", [], []))
+  def test_windows_must_pair(self, variant_s, baseline_s):
+    with self.assertRaisesRegex(ValueError, "expected as many, one or more"):
+      overhead.spread(variant_s, baseline_s, 60)
+
+  def test_why_names_each_case_and_whether_it_is_told_apart(self):
+    cases = {"fit": _case(0.96, [1.0, 1.2, 1.0], [1.1, 1.0, 0.9]),
+             "runner": _case(0.98, [1.0] * 3, [0.9] * 3)}
+    why = report_lib._overhead_evidence(cases)
+    self.assertIn("fit 0.960, its windows 0.833-1.100 of raw's (median "
+                  "0.900, 1 of 3 above 1, sign test p 1.00)", why)
+    self.assertIn("runner 0.980, its windows 0.900-0.900", why)
+    self.assertTrue(why.endswith("no case told apart from raw (sign test "
+                                 "p < 0.05 needed)"), why)
+    cases["runner"] = _case(0.9, [1.0] * 7, [0.9] * 7)
+    self.assertTrue(report_lib._overhead_evidence(cases).endswith(
+        "told apart from raw: runner"))
+
+  def test_validate_and_table_read_the_windows(self):
+    report = _smallest_report({"fit": _case(0.97, [1.0] * 2, [0.97] * 2)})
+    report_lib.validate(report)
+    self.assertIn("| fit | 0.970 | 0.970 / 0.970 / 0.970 | 0 of 2 | 0.50 "
+                  "| no |",
+                  report_lib.format_table({**report, "targets": {}}))
+    del report["raw"]["overhead"]["fit"]["windows"]["told_apart"]
+    with self.assertRaisesRegex(report_lib.ReportError,
+                                "raw.overhead.fit.windows.told_apart"):
+      report_lib.validate(report)
+    report["raw"]["overhead"]["fit"]["windows"]["ratios"] = []
+    with self.assertRaisesRegex(report_lib.ReportError,
+                                "raw.overhead.fit.windows.ratios"):
+      report_lib.validate(report)
+
+
+class ProcessorCostTest(parameterized.TestCase):
+  """The ring's processor seconds a GB beside the TCP stream's
+  (`hosts.processor_cost`), and why a miss is a miss."""
+
+  _GB_16_MIB = 16 * 2**20 / 1e9
+
+  @parameterized.named_parameters(
+      # 2 workers send the tensor once: a GB reduced is a GB on the wire.
+      ("two_workers", 2, 1.0),
+      # 4 send 2 (4 - 1) / 4 of it.
+      ("four_workers", 4, 1.5),
+  )
+  def test_per_gb_reduced_and_on_the_wire(self, workers, wire):
+    # 0.6 s a GB on the wire at 16 MiB, the largest size (not "4" of the
+    # names' order); 4 MiB, and exchange, cost other amounts.
+    sweep = {"ring": {"4": {"cpu_seconds": 1.0},
+                      "16": {"cpu_seconds": 0.6 * self._GB_16_MIB * wire}},
+             "exchange": {"16": {"cpu_seconds": 0.4 * self._GB_16_MIB * wire}}}
+    p = hosts.processor_cost(link={"cpu_s_per_gb": 0.5}, sweep=sweep,
+                             workers=workers)
+    self.assertEqual(p["size_mb"], "16")
+    self.assertAlmostEqual(p["tcp_cpu_s_per_gb"], 0.5)
+    self.assertAlmostEqual(p["ring_cpu_s_per_gb_wire"], 0.6)
+    self.assertAlmostEqual(p["ring_cpu_s_per_gb_reduced"], 0.6 * wire)
+    self.assertAlmostEqual(p["ring_cpu_vs_tcp"], 1.2)
+    self.assertAlmostEqual(p["exchange_cpu_s_per_gb_wire"], 0.4)
+    self.assertAlmostEqual(p["exchange_cpu_vs_tcp"], 0.8)
+
+  @parameterized.named_parameters(
+      ("arithmetic", 0.4, 0.8, ["the additions and copies cost 1.60 a GB",
+                                "The ring's arithmetic is the gap"]),
+      ("sockets", 1.0, 2.0, ["(exchange) 1.00 (2.00x the stream)",
+                             "The ring's sockets are the gap"]),
+      ("no_exchange", None, None, ["spent 2.00 processor seconds a GB sent "
+                                   "(2.00 a GB reduced), the TCP stream "
+                                   "0.50: 4.00x (<= 1.5 wanted)"]),
+  )
+  def test_a_miss_says_why(self, exchange, ceiling, said):
+    gb = self._GB_16_MIB
+    sweep = {"ring": {"16": {"cpu_seconds": 2.0 * gb}}}
+    if exchange:
+      sweep["exchange"] = {"16": {"cpu_seconds": exchange * gb}}
+    processor = hosts.processor_cost(link={"cpu_s_per_gb": 0.5},
+                                     sweep=sweep, workers=2)
+    target = next(t for t in hosts.TARGETS if t.key == "ring_cpu_vs_tcp")
+    self.assertFalse(target.met(processor["ring_cpu_vs_tcp"]))
+    out = hosts.why_not(target, sweep=sweep, fractions={}, training={},
+                        processor=processor)
+    for text in said:
+      self.assertIn(text, out["why"])
+    if ceiling is None:
+      self.assertNotIn("machine_ceiling", out)
+    else:
+      self.assertAlmostEqual(out["machine_ceiling"], ceiling)
 
 
 class CheckOutputsTest(parameterized.TestCase):

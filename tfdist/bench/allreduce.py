@@ -153,10 +153,11 @@ def sweep(strategy, *, sizes_mb: Sequence[float], methods: Sequence[str],
 
   Returns:
     ``{method: {size_mb: {"seconds": ..., "algbw": ..., "busbw": ...,
-    "cpu_per_wall": ...}}}`` with bandwidths in bytes per second;
-    ``cpu_per_wall`` is this process's CPU seconds (all its threads) per
-    second of the calls: near the cores it may use, the all-reduce is
-    bound by the processor, not the link. ``machine_busy`` (where the
+    "cpu_per_wall": ..., "cpu_seconds": ...}}}`` with bandwidths in bytes
+    per second; ``cpu_seconds`` is this process's CPU seconds (all its
+    threads) per all-reduce, ``cpu_per_wall`` per second of the calls:
+    near the cores it may use, the all-reduce is bound by the processor,
+    not the link. ``machine_busy`` (where the
     system has ``/proc/stat``) is the share of this machine's processors
     busy over the timed calls, every process and the kernel's network work
     included: near 1, no processor was left for a faster all-reduce;
@@ -186,20 +187,24 @@ def _timed(fn, *, iterations: int, repeats: int) -> dict:
 
   Returns:
     ``seconds`` (the median call over ``repeats``), ``cpu_per_wall`` (its
-    median) and, where ``/proc/stat`` is read, ``machine_busy`` (over all
-    the timed calls): see `sweep`.
+    median), ``cpu_seconds`` (the median call's over ``repeats``) and,
+    where ``/proc/stat`` is read, ``machine_busy`` (over all the timed
+    calls): see `sweep`.
   """
   fn()  # Warm-up: traces and sets up the collective.
-  times, cpu = [], []
+  times, cpu, cpu_s = [], [], []
   ticks_before = processor_ticks()
   for _ in range(iterations):
     start, start_cpu = time.perf_counter(), time.process_time()
     fn()
     wall = time.perf_counter() - start
+    spent = time.process_time() - start_cpu
     times.append(wall / repeats)
-    cpu.append((time.process_time() - start_cpu) / wall)
+    cpu.append(spent / wall)
+    cpu_s.append(spent / repeats)
   return {"seconds": statistics.median(times),
           "cpu_per_wall": statistics.median(cpu),
+          "cpu_seconds": statistics.median(cpu_s),
           **busy_share([(ticks_before, processor_ticks())])}
 
 

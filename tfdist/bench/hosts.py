@@ -39,6 +39,10 @@ was in each variant's windows (``training.machine_busy``, and of that the
 kernel's packet work, ``softirq_share``). A target beyond what the machine
 measured reachable is said to be so.
 
+The processor's cost (``raw.processor``, `processor_cost`): this process's
+CPU seconds per GB sent by the float32 ``ring`` at the largest size swept,
+over the link's TCP streams' (``ring_cpu_vs_tcp``), both measured here.
+
 The report's ``model_check`` sets each size's measured all-reduce times
 beside the ring's alpha-beta model (`tfdist.bench.projection`), from the
 link's rate and the hop latency measured in the same run.
@@ -68,7 +72,7 @@ from tfdist.errors import ConfigError
 from tfdist.strategy import timeline
 
 __all__ = ["HostsConfig", "HOSTS_QUICK", "HOSTS_FULL", "TARGETS", "run",
-           "validate", "format_table"]
+           "processor_cost", "validate", "format_table"]
 
 _SOURCE = "tfdist bench --across-hosts"
 _HEADLINE_METHOD = "socket"  # What training uses (through TensorFlow).
@@ -128,6 +132,7 @@ TARGETS: tuple[Target, ...] = (
     Target(key="bf16_fraction_of_link", bound=1.8),
     Target(key="training_speedup_vs_raw", bound=2.0),
     Target(key="training_fraction_of_overlap_ceiling", bound=0.85),
+    Target(key="ring_cpu_vs_tcp", bound=1.5, higher_is_better=False),
 )
 
 #: Headline keys and their types.
@@ -141,6 +146,7 @@ HEADLINE_KEYS: dict[str, type] = {
     "training_ceiling_vs_raw": float,
     "training_overlap_ceiling_vs_raw": float,
     "training_fraction_of_overlap_ceiling": float,
+    "ring_cpu_vs_tcp": float,
 }
 
 #: A machine this share busy or more had no processor left to go faster.
@@ -253,6 +259,7 @@ def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
   if train["tfdist"].get("timeline"):
     training["timeline"] = train["tfdist"]["timeline"]
     training["timeline_summary"] = timeline.summary(training["timeline"])
+  processor = processor_cost(link=link, sweep=sweep, workers=n)
   headline = {
       "link_bytes_per_s": float(rate),
       "allreduce_fraction_of_link": smallest(_HEADLINE_METHOD),
@@ -263,6 +270,7 @@ def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
       "training_ceiling_vs_raw": 1 / (link_step_s * speed["raw"]),
       "training_overlap_ceiling_vs_raw": 1 / (overlap_step_s * speed["raw"]),
       "training_fraction_of_overlap_ceiling": speed["tfdist"] * overlap_step_s,
+      "ring_cpu_vs_tcp": processor["ring_cpu_vs_tcp"],
   }
   model = projection.check(
       sweep=sweep, p=len(hosts), link=projection.Link(
@@ -273,7 +281,7 @@ def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
              "met": t.met(headline[t.key])}
     if not entry["met"]:
       entry.update(why_not(t, sweep=sweep, fractions=fractions,
-                           training=training))
+                           training=training, processor=processor))
     targets[t.key] = entry
   return {
       "kind": "across_hosts",
@@ -282,10 +290,44 @@ def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
       "targets": targets,
       "raw": {"hosts": hosts, "workers": len(hosts), "link": link,
               "allreduce": {"sweep": sweep, "fraction_of_link": fractions},
-              "training": training},
+              "processor": processor, "training": training},
       "config": config,
       "machine": machine,
   }
+
+
+def processor_cost(*, link: dict, sweep: dict, workers: int) -> dict:
+  """The ring's processor seconds per GB beside the raw TCP stream's.
+
+  Both are this process's CPU seconds (all its threads), measured in the
+  same run: the link's streams (`tfdist.bench.link`: ``cpu_s_per_gb``, per
+  GB received while as many were sent) and the float32 ``ring`` all-reduce
+  at the largest size swept (``cpu_seconds`` a call). A ring all-reduce of
+  S bytes over n workers sends ``2 (n - 1) / n`` S from each worker and
+  receives as much: per GB on the wire is the figure comparable with the
+  stream's; per GB reduced (of S) is what training pays. ``exchange``
+  (the same bytes over the same sockets, no arithmetic) splits the ring's
+  excess into its sockets' and its arithmetic's.
+
+  Returns:
+    ``{"size_mb", "tcp_cpu_s_per_gb", "ring_cpu_s_per_gb_reduced",
+    "ring_cpu_s_per_gb_wire", "ring_cpu_vs_tcp"}``, and with ``exchange``
+    swept ``exchange_cpu_s_per_gb_wire`` and ``exchange_cpu_vs_tcp``.
+  """
+  size = max(sweep["ring"], key=float)
+  reduced_gb = float(size) * (1 << 20) / 1e9
+  wire = 2 * (workers - 1) / workers
+  tcp = link["cpu_s_per_gb"]
+  ring = sweep["ring"][size]["cpu_seconds"] / (reduced_gb * wire)
+  out = {"size_mb": size, "tcp_cpu_s_per_gb": tcp,
+         "ring_cpu_s_per_gb_reduced": ring * wire,
+         "ring_cpu_s_per_gb_wire": ring, "ring_cpu_vs_tcp": ring / tcp}
+  if size in sweep.get("exchange", {}):
+    # exchange sends the ring's bytes: the tensor resized by the wire factor.
+    exchange = sweep["exchange"][size]["cpu_seconds"] / (reduced_gb * wire)
+    out.update(exchange_cpu_s_per_gb_wire=exchange,
+               exchange_cpu_vs_tcp=exchange / tcp)
+  return out
 
 
 def _lowest_size(fractions: dict, method: str) -> str:
@@ -442,6 +484,31 @@ def _timeline_line(training: dict, *, step_ms: float, compute_ms: float,
           f"{ready_floor / step_ms:.2f} of tfdist's step")
 
 
+def _why_processor(target: Target, *, processor: dict, **_) -> dict:
+  """A ring that spends more processor a GB than a plain stream: how much
+  of that its sockets spend moving the bytes (``exchange``), and how much
+  its arithmetic and copies."""
+  p = processor
+  why = (f"at {p['size_mb']} MiB the float32 ring spent "
+         f"{p['ring_cpu_s_per_gb_wire']:.2f} processor seconds a GB sent "
+         f"({p['ring_cpu_s_per_gb_reduced']:.2f} a GB reduced), the TCP "
+         f"stream {p['tcp_cpu_s_per_gb']:.2f}: {p['ring_cpu_vs_tcp']:.2f}x "
+         f"({target.text} wanted)")
+  out: dict = {}
+  if "exchange_cpu_vs_tcp" in p:
+    out["machine_ceiling"] = p["exchange_cpu_vs_tcp"]
+    arithmetic = p["ring_cpu_s_per_gb_wire"] - p["exchange_cpu_s_per_gb_wire"]
+    why += (f"; the same bytes over the ring's sockets with no arithmetic "
+            f"(exchange) {p['exchange_cpu_s_per_gb_wire']:.2f} "
+            f"({p['exchange_cpu_vs_tcp']:.2f}x the stream): the additions "
+            f"and copies cost {arithmetic:.2f} a GB sent")
+    why += (". The ring's sockets are the gap: moving the bytes alone "
+            "misses the target" if not target.met(p["exchange_cpu_vs_tcp"])
+            else ". The ring's arithmetic is the gap: its sockets alone "
+            "meet the target")
+  return {**out, "why": why}
+
+
 #: How each target's miss is explained: target key -> explainer.
 _WHY: dict[str, Callable[..., dict]] = {
     "allreduce_fraction_of_link": functools.partial(
@@ -452,11 +519,12 @@ _WHY: dict[str, Callable[..., dict]] = {
         bytes_scale=2),
     "training_speedup_vs_raw": _why_training,
     "training_fraction_of_overlap_ceiling": _why_overlap,
+    "ring_cpu_vs_tcp": _why_processor,
 }
 
 
 def why_not(target: Target, *, sweep: dict, fractions: dict,
-            training: dict) -> dict:
+            training: dict, processor: dict | None = None) -> dict:
   """Why ``target`` was missed, from figures measured in the same run.
 
   Returns:
@@ -465,7 +533,7 @@ def why_not(target: Target, *, sweep: dict, fractions: dict,
     ``tensorflow_hop_s``, ``at_size_mb``).
   """
   return _WHY[target.key](target, sweep=sweep, fractions=fractions,
-                          training=training)
+                          training=training, processor=processor)
 
 
 def validate(report: dict) -> None:
@@ -522,6 +590,13 @@ def format_table(report: dict) -> str:
     for method, per_size in sweep.items():
       lines.append("    " + f"{method:<14}" + "".join(
           f"{per_size[s]['cpu_per_wall']:8.2f}" for s in sizes))
+  p = raw["processor"]
+  lines.append(f"  processor s a GB sent at {p['size_mb']} MiB: ring "
+               f"{p['ring_cpu_s_per_gb_wire']:.2f} "
+               f"({p['ring_cpu_s_per_gb_reduced']:.2f} a GB reduced), TCP "
+               f"stream {p['tcp_cpu_s_per_gb']:.2f}" + (
+                   f", exchange {p['exchange_cpu_s_per_gb_wire']:.2f}"
+                   if "exchange_cpu_s_per_gb_wire" in p else ""))
   speed = raw["training"]["steps_per_s"]
   lines.append(f"  {raw['training']['model']} steps/s: " + ", ".join(
       f"{v} {s:.2f}" for v, s in speed.items()))

@@ -68,6 +68,8 @@ def measure(*, rank: int, hosts: list[str], rendezvous: Rendezvous, key: str,
     ``{"bytes_per_s": the slowest worker's rate, "by_rank": [rate, ...],
     "hop_latency_s": one hop's latency (`hop_latency`), "cpu_per_wall":
     this process's CPU seconds per second while its streams ran,
+    "cpu_s_per_gb": those CPU seconds (all its threads, sending and
+    receiving) per GB (1e9 bytes) it received, as many as it sent,
     "seconds": seconds, "repeats": repeats}``.
 
   Raises:
@@ -85,10 +87,13 @@ def measure(*, rank: int, hosts: list[str], rendezvous: Rendezvous, key: str,
           f"link measurement: worker {right} ({hosts[right]}) did not "
           f"publish its address within {timeout_s:g} s") from None
     start, start_cpu = time.perf_counter(), time.process_time()
-    rates = stream_rates(server=server, right=_net.split_address(address),
-                         rank=rank, left=left, key=key, seconds=seconds,
-                         repeats=repeats, timeout_s=timeout_s)
-    cpu = (time.process_time() - start_cpu) / (time.perf_counter() - start)
+    streams = stream_rates(server=server, right=_net.split_address(address),
+                           rank=rank, left=left, key=key, seconds=seconds,
+                           repeats=repeats, timeout_s=timeout_s)
+    cpu_s = time.process_time() - start_cpu
+    cpu = cpu_s / (time.perf_counter() - start)
+    rates = [rate for rate, _ in streams]
+    received = sum(size for _, size in streams)
     hop = hop_latency(server=server, right=_net.split_address(address),
                       rank=rank, left=left, key=f"{key}/hop", n=n,
                       timeout_s=timeout_s)
@@ -102,19 +107,21 @@ def measure(*, rank: int, hosts: list[str], rendezvous: Rendezvous, key: str,
   else:
     hop = float(rendezvous.lookup(f"{key}/hop", timeout_s))
   return {"bytes_per_s": min(by_rank), "by_rank": by_rank,
-          "hop_latency_s": hop, "cpu_per_wall": cpu, "seconds": seconds,
+          "hop_latency_s": hop, "cpu_per_wall": cpu,
+          "cpu_s_per_gb": cpu_s / (received / 1e9), "seconds": seconds,
           "repeats": repeats}
 
 
 def stream_rates(*, server: socket.socket, right: tuple[str, int], rank: int,
                  left: int, key: str, seconds: float, repeats: int,
-                 timeout_s: float) -> list[float]:
-  """``repeats`` receive rates (bytes/s) from ``left``, sending to ``right``.
+                 timeout_s: float) -> list[tuple[float, int]]:
+  """``repeats`` streams from ``left`` while sending to ``right``: each
+  one's receive rate (bytes/s) and the bytes it received.
 
   Each repeat is a fresh pair of connections: this worker dials ``right``
   (through ``right``'s listener) and accepts ``left``'s dial on ``server``.
   """
-  rates = []
+  streams = []
   hello = _HELLO.pack(key.encode()[:64], rank)
   for _ in range(repeats):
     with socket.create_connection(right, timeout=timeout_s) as out:
@@ -124,11 +131,11 @@ def stream_rates(*, server: socket.socket, right: tuple[str, int], rank: int,
         sender = threading.Thread(target=_send_for,
                                   args=(out, seconds, sent), daemon=True)
         sender.start()
-        rates.append(_receive_rate(inbound))
+        streams.append(_receive_rate(inbound))
         sender.join(timeout_s)
         if sent:
           raise sent[0]
-  return rates
+  return streams
 
 
 def hop_latency(*, server: socket.socket, right: tuple[str, int], rank: int,
@@ -217,10 +224,11 @@ def _send_for(conn: socket.socket, seconds: float,
     errors.append(e)
 
 
-def _receive_rate(conn: socket.socket) -> float:
-  """Bytes/s from the first chunk's arrival to the last byte's."""
+def _receive_rate(conn: socket.socket) -> tuple[float, int]:
+  """Bytes/s from the first chunk's arrival to the last byte's, and every
+  byte received."""
   view = memoryview(bytearray(_CHUNK))
-  conn.recv_into(view)  # The clock starts once bytes flow.
+  first = conn.recv_into(view)  # The clock starts once bytes flow.
   start = time.perf_counter()
   total, end = 0, start
   while True:
@@ -229,4 +237,4 @@ def _receive_rate(conn: socket.socket) -> float:
       break
     total += k
     end = time.perf_counter()
-  return total / (end - start) if end > start else 0.0
+  return (total / (end - start) if end > start else 0.0), first + total

@@ -22,8 +22,8 @@ none, default strategy: Keras switches XLA off under Mirrored),
 and ``flight_recorder`` (``model.fit`` under tfdist's strategy with the
 flight recorder over without it, `tfdist._flight`: its cost on a step of a
 few milliseconds, where it weighs most).
-Timing windows of the variants alternate; figures are medians. Prints one
-JSON line.
+Timing windows of the variants alternate. Prints one JSON line: every
+window's seconds (`tfdist.bench.overhead` makes the figures).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import time
 from typing import Any, Callable
 
@@ -62,7 +61,8 @@ Pair = tuple[Callable[[int], Any], Callable[[int], Any]]
 
 
 def _compare(cases: dict[str, Pair], spec: dict) -> dict:
-  """Alternating timing windows of (variant, baseline); medians of steps/s."""
+  """Alternating timing windows of (variant, baseline): every window's
+  seconds, ``{name: {"variant_s": [...], "baseline_s": [...]}}``."""
   steps = spec["steps"]
   for variant, baseline in cases.values():  # Trace and warm up first.
     variant(spec["warmup_steps"])
@@ -70,20 +70,16 @@ def _compare(cases: dict[str, Pair], spec: dict) -> dict:
   # The builds' garbage, collected before the timed windows (as in
   # cluster_worker): one collection of it took 6.6 s.
   gc.collect()
-  times: dict[str, tuple[list[float], list[float]]] = {
-      k: ([], []) for k in cases}
+  times = {k: {"variant_s": [], "baseline_s": []} for k in cases}
   for r in range(spec["rounds"]):
     for name, fns in cases.items():
       order = (0, 1) if r % 2 == 0 else (1, 0)
       for i in order:
         start = time.perf_counter()
         fns[i](steps)
-        times[name][i].append(time.perf_counter() - start)
-  out = {}
-  for name, (tv, tb) in times.items():
-    v, b = steps / statistics.median(tv), steps / statistics.median(tb)
-    out[name] = {"steps_per_s": v, "baseline_steps_per_s": b, "ratio": v / b}
-  return out
+        times[name][("variant_s", "baseline_s")[i]].append(
+            time.perf_counter() - start)
+  return times
 
 
 def _model(strategy, spec: dict, *, name: str = "mlp", jit: Any = "auto",

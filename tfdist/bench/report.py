@@ -12,6 +12,7 @@ import operator
 import statistics
 from typing import Any, Callable
 
+from tfdist.bench import overhead as overhead_lib
 from tfdist.errors import TfdistError
 
 __all__ = ["HEADLINE_KEYS", "TARGETS", "Target", "ReportError", "build",
@@ -59,6 +60,7 @@ TARGETS: tuple[Target, ...] = (
 #: Headline keys and their types (a dict maps model name to float).
 HEADLINE_KEYS: dict[str, type] = {
     "overhead_ratio": float,
+    "overhead_by_case": dict,
     "scaling_efficiency": dict,
     "mlp_speedup_vs_raw": float,
     "allreduce_fraction_of_loopback": float,
@@ -83,6 +85,7 @@ def build(*, overhead: dict, scaling: dict, allreduce: dict, startup: dict,
   """Assembles the report from each measurement's result."""
   report: dict[str, Any] = {
       "overhead_ratio": overhead["overhead_ratio"],
+      "overhead_by_case": {c: f["ratio"] for c, f in overhead["cases"].items()},
       "scaling_efficiency": scaling["scaling_efficiency"],
       "mlp_speedup_vs_raw": scaling["mlp_speedup_vs_raw"],
       "allreduce_fraction_of_loopback": allreduce["fraction_of_loopback"],
@@ -99,7 +102,8 @@ def build(*, overhead: dict, scaling: dict, allreduce: dict, startup: dict,
       "allreduce_fraction_of_loopback": allreduce.get(
           "ceiling_fraction_of_loopback"),
   }
-  evidence = {"allreduce_fraction_of_loopback": _allreduce_evidence(allreduce),
+  evidence = {"overhead_ratio": _overhead_evidence(overhead["cases"]),
+              "allreduce_fraction_of_loopback": _allreduce_evidence(allreduce),
               **{f"scaling_efficiency.{m}": _straggler_evidence(
                   s, scaling["scaling_sync_ceiling"][m],
                   scaling["scaling_allreduce_ceiling"][m],
@@ -123,6 +127,22 @@ def build(*, overhead: dict, scaling: dict, allreduce: dict, startup: dict,
   report["config"] = config
   report["machine"] = machine
   return report
+
+
+def _overhead_evidence(cases: dict) -> str:
+  """Whether each case's windows tell tfdist from raw (`overhead.spread`)."""
+  parts = []
+  for name, figures in cases.items():
+    w = figures["windows"]
+    parts.append(f"{name} {figures['ratio']:.3f}, its windows "
+                 f"{w['min']:.3f}-{w['max']:.3f} of raw's (median "
+                 f"{w['median']:.3f}, {w['above_one']} of {len(w['ratios'])} "
+                 f"above 1, sign test p {w['sign_test_p']:.2f})")
+  apart = [n for n, f in cases.items() if f["windows"]["told_apart"]]
+  verdict = (f"told apart from raw: {', '.join(apart)}" if apart else
+             "no case told apart from raw (sign test p < "
+             f"{overhead_lib.TOLD_APART_P:g} needed)")
+  return "; ".join(parts) + f"; {verdict}"
 
 
 def _allreduce_evidence(allreduce: dict) -> str | None:
@@ -208,6 +228,16 @@ def validate(report: dict) -> None:
   for section in _SECTIONS:
     if not isinstance(report.get("raw", {}).get(section), dict):
       fail(f"raw.{section}", "missing")
+  for name, figures in report["raw"]["overhead"].items():
+    windows = figures.get("windows", {})
+    ratios = windows.get("ratios")
+    if not isinstance(ratios, list) or not ratios or not all(
+        isinstance(r, float) and math.isfinite(r) and r > 0 for r in ratios):
+      fail(f"raw.overhead.{name}.windows.ratios",
+           f"expected a non-empty list of positive numbers, got {ratios!r}")
+    if not isinstance(windows.get("told_apart"), bool):
+      fail(f"raw.overhead.{name}.windows.told_apart",
+           f"expected a boolean, got {windows.get('told_apart')!r}")
   if not isinstance(report.get("config"), dict):
     fail("config", "missing")
 
@@ -225,4 +255,13 @@ def format_table(report: dict) -> str:
     rows.append(f"| {key} | {entry['value']:.3f} | {entry['target']} | "
                 f"{'yes' if entry['met'] else 'no'} | "
                 f"{f'{ceiling:.3f}' if ceiling else ''} |")
+  rows += ["", "| overhead case | tfdist / raw | windows min / median / max "
+           "| above 1 | sign test p | told apart |",
+           "|---|---|---|---|---|---|"]
+  for name, figures in report["raw"]["overhead"].items():
+    w = figures["windows"]
+    rows.append(f"| {name} | {figures['ratio']:.3f} | {w['min']:.3f} / "
+                f"{w['median']:.3f} / {w['max']:.3f} | {w['above_one']} of "
+                f"{len(w['ratios'])} | {w['sign_test_p']:.2f} | "
+                f"{'yes' if w['told_apart'] else 'no'} |")
   return "\n".join(rows)
