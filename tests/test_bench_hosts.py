@@ -98,6 +98,14 @@ class AcrossHostsTest(parameterized.TestCase):
       for b in buckets:
         self.assertTrue(0 < b["ready"] <= b["began"] <= b["ended"], b)
       self.assertEqual(step["backward_s"], [0.0, buckets[-1]["ready"]])
+    # The projected step beside tfdist's measured one, from this run.
+    projected = report["model_check"]["training"]
+    self.assertAlmostEqual(projected["measured_s"],
+                           1 / training["steps_per_s"]["tfdist"])
+    self.assertEqual(projected["bucket_bytes"],
+                     [b["bytes"] for b in steps[0]["buckets"]])
+    self.assertAlmostEqual(projected["measured_over_predicted"],
+                           projected["measured_s"] / projected["predicted_s"])
     self.assertEqual(training["timeline_summary"]["steps"], len(steps))
     busy = sweep["socket"]["4"]["machine_busy"]
     self.assertTrue(0 < busy <= 1, busy)

@@ -44,8 +44,12 @@ CPU seconds per GB sent by the float32 ``ring`` at the largest size swept,
 over the link's TCP streams' (``ring_cpu_vs_tcp``), both measured here.
 
 The report's ``model_check`` sets each size's measured all-reduce times
-beside the ring's alpha-beta model (`tfdist.bench.projection`), from the
-link's rate and the hop latency measured in the same run.
+beside the alpha-beta model of the schedule the socket ring picks
+(`tfdist.bench.projection`), from the link's rate and the hop latency
+measured in the same run, and tfdist's measured step beside the projected
+one, its buckets crossing during the backward pass (``model_check.training``,
+`tfdist.bench.projection.check_training`: this run's compute, backward pass
+and buckets).
 
 The chief prints the table and writes the JSON report (and the plot); the
 other tasks print one line. Nothing is asserted about speed: the report says
@@ -272,9 +276,11 @@ def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
       "training_fraction_of_overlap_ceiling": speed["tfdist"] * overlap_step_s,
       "ring_cpu_vs_tcp": processor["ring_cpu_vs_tcp"],
   }
-  model = projection.check(
-      sweep=sweep, p=len(hosts), link=projection.Link(
-          bytes_per_s=rate, latency_s=link.get("hop_latency_s") or 0.0))
+  measured_link = projection.Link(
+      bytes_per_s=rate, latency_s=link.get("hop_latency_s") or 0.0)
+  model = projection.check(sweep=sweep, p=n, link=measured_link)
+  model["training"] = projection.check_training(
+      training=training, link=measured_link, p=n)
   targets = {}
   for t in TARGETS:
     entry = {"target": t.text, "value": headline[t.key],
@@ -602,14 +608,20 @@ def format_table(report: dict) -> str:
       f"{v} {s:.2f}" for v, s in speed.items()))
   model = report.get("model_check")
   if model:
-    lines.append(f"  ring model (alpha {model['latency_s'] * 1e6:.1f} us a "
+    lines.append(f"  model (alpha {model['latency_s'] * 1e6:.1f} us a "
                  f"hop, the link): measured / predicted time, by size:")
     for size, row in sorted(model["by_size"].items(),
                             key=lambda kv: float(kv[0])):
-      lines.append(f"    {size:>6} MiB  predicted {row['predicted_s'] * 1e3:8.2f}"
-                   " ms  " + "  ".join(
+      lines.append(f"    {size:>6} MiB  {row['schedule']} predicted "
+                   f"{row['predicted_s'] * 1e3:8.2f} ms  " + "  ".join(
                        f"{m} {v['measured_over_predicted']:.2f}"
-                       for m, v in row.items() if m != "predicted_s"))
+                       for m, v in row.items() if isinstance(v, dict)))
+    step = model.get("training")
+    if step:
+      lines.append(f"    a step: predicted {step['predicted_s'] * 1e3:.1f} ms"
+                   f" (overlapped; {step['serial_s'] * 1e3:.1f} without), "
+                   f"measured {step['measured_s'] * 1e3:.1f} ms: "
+                   f"{step['measured_over_predicted']:.2f}")
   return "\n".join(lines)
 
 
