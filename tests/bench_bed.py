@@ -20,7 +20,7 @@ latency of ``--delays-us`` added by relays (`tfdist.bench.relay`; up to
 
   sudo .venv/bin/python tests/bench_bed.py --schedules --rates 1gbit \
       --schedule-hosts 2 4 8 16 --delays-us 0 25 250 \
-      --json docs/bench_schedules.json --plot docs/bench_schedules.png
+      --json schedules.json --plot schedules.png
 
 Each report of the script carries ``bed``: the host count, the rate, each
 host's TensorFlow intra-op threads (its share of this machine's cores) and
