@@ -38,6 +38,7 @@ def check_report(test: absltest.TestCase, report: dict, *, n: int,
   relay = report["relay"]
   if delay_s:
     test.assertEqual(relay["delay_s"], delay_s)
+    test.assertEqual(relay["carried"], ["alpha_s", "sizes"])
     test.assertEqual(report["alpha_s"], relay["hop_latency_s"])
     # A hop through the relay is held at least the delay, one way.
     test.assertGreaterEqual(relay["hop_latency_s"], delay_s)

@@ -184,7 +184,8 @@ def report(raw: dict) -> dict:
       ``pick``, every rank's ``cpu_s``, ``wall_s`` and result hashes.
 
   Returns:
-    ``ranks``, ``cores``, ``link``, ``relay``, ``alpha_s`` and
+    ``ranks``, ``cores``, ``link``, ``relay`` (``None``, or its delay,
+    hop latencies and the figures it ``carried``), ``alpha_s`` and
     ``bytes_per_s`` (the model's), ``same_bits`` (every rank's result
     hashes agree for every ring and size; ``differing`` names any that do
     not), ``sizes`` by KiB: ``schedules`` (each with ``measured_s``,
@@ -198,6 +199,8 @@ def report(raw: dict) -> dict:
   n, link, relay = raw["ranks"], raw["link"], raw["relay"]
   alpha = relay["hop_latency_s"] if relay else link["hop_latency_s"]
   rate = link["bytes_per_s"]
+  if relay:
+    relay = {**relay, "carried": ["alpha_s", "sizes"]}  # Not B.
   out = {"ranks": n, "cores": raw["cores"], "link": link, "relay": relay,
          "alpha_s": alpha, "bytes_per_s": rate, "sizes": {}}
   differing = []
