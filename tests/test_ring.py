@@ -26,6 +26,7 @@ from tfdist import perf
 from tfdist.ring import connection
 from tfdist.ring import doubling
 from tfdist.ring import exchange
+from tfdist.ring import halving
 from tfdist.ring import pieces
 from tfdist.ring import schedule
 from tfdist.ring import socket_ring
@@ -254,17 +255,21 @@ def _simulate_doubling(inputs):
   return bufs
 
 
+def _assert_the_same_bits_of_the_sum(outs, inputs):
+  """Every rank's output has the same bits, the float32 sum of ``inputs``."""
+  for out in outs[1:]:
+    np.testing.assert_array_equal(out, outs[0])
+  np.testing.assert_allclose(
+      outs[0], sum(x.astype(np.float64) for x in inputs), rtol=0,
+      atol=1e-5 * len(inputs))
+
+
 class DoublingScheduleTest(parameterized.TestCase):
 
   @parameterized.parameters(range(1, 18))
   def test_every_rank_ends_with_the_same_bits_of_the_sum(self, size):
     inputs = [_inputs(r, 1001) for r in range(size)]
-    outs = _simulate_doubling(inputs)
-    for out in outs[1:]:
-      np.testing.assert_array_equal(out, outs[0])
-    np.testing.assert_allclose(
-        outs[0], sum(x.astype(np.float64) for x in inputs), rtol=0,
-        atol=1e-5 * size)
+    _assert_the_same_bits_of_the_sum(_simulate_doubling(inputs), inputs)
 
   @parameterized.parameters(range(1, 18))
   def test_partners_agree_and_steps_are_few(self, size):
@@ -286,6 +291,123 @@ class DoublingScheduleTest(parameterized.TestCase):
   def test_rank_out_of_range(self):
     with self.assertRaisesRegex(ValueError, "rank 3"):
       doubling.steps(3, 3)
+
+
+def _simulate_halving(inputs, in_place=False):
+  """A whole recursive halving and doubling all-reduce of ``inputs`` from
+  its steps, paired as `_simulate_doubling` pairs them.
+
+  What a rank sends is what its partner receives (checked), read before
+  either writes; a step reads the input first, then the output.
+
+  Returns:
+    Each rank's output, and each rank's output after the reduce-scatter
+    (its last adding step).
+  """
+  size, length = len(inputs), inputs[0].size
+  xs = [x.copy() for x in inputs]
+  outs = xs if in_place else [np.full(length, -7, x.dtype) for x in xs]
+  plans = [halving.steps(r, size, length) for r in range(size)]
+  if size == 1:  # No steps: `SocketRing` copies.
+    outs[0][:] = xs[0]
+  done = [0] * size
+  scattered = [None if p else outs[r].copy() for r, p in enumerate(plans)]
+  for _ in range(4 * size + 4):  # Far more rounds than any schedule needs.
+    for r in range(size):
+      if done[r] == len(plans[r]):
+        continue
+      q = plans[r][done[r]].partner
+      if done[q] == len(plans[q]) or plans[q][done[q]].partner != r:
+        continue
+      pair = {r: plans[r][done[r]], q: plans[q][done[q]]}
+      sent = {}
+      for me, other in ((r, q), (q, r)):
+        assert pair[me].send == pair[other].recv, pair
+        src = xs[me] if done[me] == 0 else outs[me]
+        sent[me] = src[slice(*pair[me].send)].copy()
+      for me, other in ((r, q), (q, r)):
+        src = xs[me] if done[me] == 0 else outs[me]
+        lo, hi = pair[me].recv
+        if pair[me].add:
+          outs[me][lo:hi] = src[lo:hi] + sent[other]
+        else:
+          outs[me][lo:hi] = sent[other]
+        done[me] += 1
+        if scattered[me] is None and not any(
+            t.add for t in plans[me][done[me]:]):
+          scattered[me] = outs[me].copy()
+  assert done == [len(p) for p in plans], (done, plans)
+  return outs, scattered
+
+
+class HalvingScheduleTest(parameterized.TestCase):
+
+  @parameterized.parameters(range(1, 18))
+  def test_every_rank_ends_with_the_exact_sum(self, size):
+    rng = np.random.default_rng(size)
+    for length in range(41):
+      for in_place in (False, True):
+        inputs = [rng.integers(-1000, 1000, length) for _ in range(size)]
+        expected = sum(inputs)
+        outs, scattered = _simulate_halving(inputs, in_place)
+        for out in outs:
+          np.testing.assert_array_equal(out, expected, f"{length}")
+        m = 1 << (size.bit_length() - 1)
+        for r, (lo, hi) in enumerate(schedule.segments(length, m)):
+          # Rank r holds the sum of segment r after the reduce-scatter.
+          np.testing.assert_array_equal(scattered[r][lo:hi],
+                                        expected[lo:hi])
+
+  @parameterized.parameters(range(1, 18))
+  def test_float32_sums_have_the_same_bits_on_every_rank(self, size):
+    inputs = [_inputs(r, 1001) for r in range(size)]
+    _assert_the_same_bits_of_the_sum(_simulate_halving(inputs)[0], inputs)
+
+  @parameterized.parameters(range(1, 18))
+  def test_ranges_partition_the_buffer(self, size):
+    m = 1 << (size.bit_length() - 1)
+    for length in range(41):
+      segments = schedule.segments(length, m)
+      for r in range(size):
+        plan = halving.steps(r, size, length)
+        whole = (0, length)
+        if r >= m:  # An extra rank: its buffer there, the total back.
+          self.assertEqual([(t.send, t.recv) for t in plan],
+                           [(whole, (0, 0)), ((0, 0), whole)])
+          continue
+        core = [t for t in plan if t.partner < m]
+        self.assertLen(core, 2 * (m.bit_length() - 1))
+        scatter, gather = core[:len(core) // 2], core[len(core) // 2:]
+        held = whole
+        for t in scatter:  # Each step splits what is held in two.
+          self.assertTrue(t.add)
+          lo, hi = held
+          self.assertTrue(any(
+              a[0] == lo and a[1] == b[0] and b[1] == hi
+              for a, b in ((t.send, t.recv), (t.recv, t.send))), (held, t))
+          held = t.recv
+        self.assertEqual(held, segments[r])  # Rank r owns segment r.
+        for t in gather:  # Each step joins what the two hold.
+          self.assertFalse(t.add)
+          self.assertEqual(t.send, held)
+          self.assertTrue(t.recv[1] == held[0] or t.recv[0] == held[1])
+          held = (min(held[0], t.recv[0]), max(held[1], t.recv[1]))
+        self.assertEqual(held, whole)
+        if r + m < size:  # Its extra rank's buffer first, the total last.
+          self.assertEqual(plan[0], halving.Step(r + m, (0, 0), whole, True))
+          self.assertEqual(plan[-1],
+                           halving.Step(r + m, whole, (0, 0), False))
+
+  @parameterized.named_parameters(
+      ("one", 1, 0), ("two", 2, 2), ("three", 3, 4), ("four", 4, 4),
+      ("five", 5, 6), ("eight", 8, 6), ("sixteen", 16, 8))
+  def test_exchanges(self, size, expected):
+    self.assertEqual(max(len(halving.steps(r, size, 10))
+                         for r in range(size)), expected)
+
+  def test_rank_out_of_range(self):
+    with self.assertRaisesRegex(ValueError, "rank 4"):
+      halving.steps(4, 4, 10)
 
 
 def _old_doubling_limit(n):
@@ -314,16 +436,32 @@ class RuleTest(parameterized.TestCase):
       self.assertIn("float32", module.WIRES)
 
   @parameterized.parameters(range(2, 65))
-  def test_doubling_where_the_old_limit_took_it(self, n):
+  def test_the_old_picks_but_where_halving_is_faster(self, n):
+    """Before halving the rule took doubling up to the old limit, the ring
+    above; now halving takes over where its model is faster, no more."""
     limit = _old_doubling_limit(n)
+    model = dict(latency_s=socket_ring.DEFAULT_LATENCY_S,
+                 bytes_per_s=socket_ring.DEFAULT_BYTES_PER_S)
     # Calls move 4 bytes a value. At an exact tie (19125 bytes at 12 ranks,
     # no call's size) the rule keeps the ring where the old limit did not.
     last = limit // 4 * 4
-    for nbytes in (4, 1024, 4096, last - 4, last, last + 4, 64 << 10,
-                   1 << 20, 64 << 20):
-      expected = "doubling" if 0 < nbytes <= limit else "ring"
-      self.assertEqual(socket_ring.choose(n, nbytes), expected,
-                       f"{n} ranks, {nbytes} bytes, old limit {limit}")
+    for nbytes in (4, 1024, 4096, 8192, 16384, last - 4, last, last + 4,
+                   64 << 10, 1 << 20, 64 << 20):
+      old = "doubling" if 0 < nbytes <= limit else "ring"
+      got = socket_ring.choose(n, nbytes)
+      where = f"{n} ranks, {nbytes} bytes, old limit {limit}"
+      if got != old:
+        self.assertEqual(got, "halving", where)
+        self.assertLess(
+            halving.seconds(n, nbytes, **model),
+            socket_ring.SCHEDULES[old].seconds(n, nbytes, **model), where)
+
+  @parameterized.parameters(2, 3, 5, 6, 7)
+  def test_halving_never_where_the_ring_or_doubling_is_as_fast(self, n):
+    # 2 ranks: halving is the ring. 3, 5-7: the fold's two whole-buffer
+    # messages cost more than the latencies saved over doubling's.
+    for nbytes in (4 << np.arange(25)).tolist():
+      self.assertNotEqual(socket_ring.choose(n, nbytes), "halving", nbytes)
 
   @parameterized.named_parameters(
       ("one_rank", 1, 4096, "float32", "ring"),
@@ -331,7 +469,10 @@ class RuleTest(parameterized.TestCase):
       ("small", 8, 4096, "float32", "doubling"),
       ("two_ranks_at_the_cap", 2, 32 << 10, "float32", "doubling"),
       ("two_ranks_above_the_cap", 2, (32 << 10) + 4, "float32", "ring"),
-      ("large", 8, 64 << 20, "float32", "ring"),
+      ("middle", 8, 256 << 10, "float32", "halving"),
+      ("large", 8, 64 << 20, "float32", "halving"),
+      ("middle_three", 3, 256 << 10, "float32", "ring"),
+      ("middle_bfloat16", 8, 256 << 10, "bfloat16", "ring"),
       ("small_bfloat16", 8, 4096, "bfloat16", "ring"),
       ("small_float16", 4, 4096, "float16", "ring"),
   )
@@ -341,23 +482,25 @@ class RuleTest(parameterized.TestCase):
   def test_a_faster_link_moves_the_crossover_up(self):
     slow = socket_ring.choose(4, 32 << 10, latency_s=30e-6, bytes_per_s=1e8)
     fast = socket_ring.choose(4, 32 << 10, latency_s=30e-6, bytes_per_s=1e9)
-    self.assertEqual((slow, fast), ("ring", "doubling"))
+    self.assertEqual((slow, fast), ("halving", "doubling"))
 
   @parameterized.named_parameters(
       ("rule_small", None, 4096, "float32", "doubling"),
-      ("rule_large", None, 64 << 20, "float32", "ring"),
+      ("rule_large", None, 64 << 20, "float32", "halving"),
+      ("halving_small", "halving", 4, "float32", "halving"),
       ("rule_bfloat16", None, 4096, "bfloat16", "ring"),
       ("ring", "ring", 4096, "float32", "ring"),
       ("ring_bfloat16", "ring", 4096, "bfloat16", "ring"),
       ("doubling_large", "doubling", 64 << 20, "float32", "doubling"),
       ("doubling_without_its_wire", "doubling", 4096, "float16", "ring"),
+      ("doubling_empty", "doubling", 0, "float32", "ring"),
   )
   def test_schedule_for(self, forced, nbytes, wire, expected):
     ring = _ring_of(4, schedule=forced)
     self.assertEqual(ring.schedule_for(nbytes, wire), expected)
 
   @parameterized.named_parameters(("unknown", "tree"), ("empty", ""),
-                                  ("case", "Ring"))
+                                  ("case", "Ring"), ("list", ["ring"]))
   def test_unknown_schedule_is_a_config_error(self, name):
     with self.assertRaises(tfdist.ConfigError) as caught:
       _ring_of(2, schedule=name)
@@ -908,14 +1051,6 @@ class DoublingRingTest(_RingsTestCase):
     if n > 2:  # Partners of their own; the ring's connections unused.
       self.assertFalse(rings[0].connected)
 
-  def test_compressed_wires_take_the_ring(self):
-    rings = self._rings(3, schedule="doubling")
-    results = _on_each(rings, lambda r, ring: (
-        ring.all_reduce(_inputs(r, 100), wire="bfloat16"), ring.connected))
-    for got, connected in results:
-      np.testing.assert_array_equal(got, results[0][0])
-      self.assertTrue(connected)
-
   def test_lost_partner_fails_every_rank_and_stays_failed(self):
     rings = self._rings(4, schedule="doubling", timeout_s=60)
 
@@ -936,6 +1071,90 @@ class DoublingRingTest(_RingsTestCase):
       self.assertIs(rings[r].failure, results[r][0])
       with self.assertRaises(tfdist.WorkerLostError):  # Stays failed.
         rings[r].all_reduce(np.ones(3, np.float32))
+
+
+
+@pytest.mark.timeout(STALL_S * 5)
+class HalvingRingTest(_RingsTestCase):
+  """`SocketRing` with recursive halving and doubling (`halving`)."""
+
+  @parameterized.product(n=[2, 3, 4, 5, 8],
+                         threaded=[exchange.THREADED_BYTES, 0])
+  def test_halving_sums_the_same_bits_on_every_rank(self, n, threaded):
+    rings = self._rings(n, schedule="halving", threaded_bytes=threaded)
+    sizes = [1, 2, n - 1, 7, 1001, 20001, (1 << 16) + 3]  # Some below n.
+    listed = [3, 0, 1500, 1, 7000]  # Blocks of 1024 values span arrays.
+
+    def fn(r, ring):
+      out = [ring.all_reduce(_inputs(r, s)) for s in sizes]
+      data = _inputs(r, 20001)
+      same = ring.all_reduce(data, out=data)  # In place.
+      parts = [_inputs(r * 100 + i, k) for i, k in enumerate(listed)]
+      whole = ring.all_reduce(np.concatenate(parts))
+      return out, (same is data, data), ring.all_reduce(parts), whole
+
+    results = _on_each(rings, fn)
+    for out, (in_place, data), parts, whole in results:
+      for i, size in enumerate(sizes):
+        np.testing.assert_array_equal(out[i], results[0][0][i])
+        expected = sum(_inputs(r, size).astype(np.float64)
+                       for r in range(n))
+        np.testing.assert_allclose(out[i], expected, rtol=0,
+                                   atol=1e-6 * n * np.max(np.abs(expected)))
+      self.assertTrue(in_place)
+      np.testing.assert_array_equal(data, out[sizes.index(20001)])
+      self.assertEqual([a.size for a in parts], listed)
+      np.testing.assert_array_equal(np.concatenate(parts), whole)
+      np.testing.assert_array_equal(whole, results[0][3])
+    # Two ranks halve over the ring's own connection; more over pairs.
+    self.assertEqual(rings[0].connected, n == 2)
+
+  def test_the_rule_takes_halving_for_middle_sizes_at_8_ranks(self):
+    rings = self._rings(8)
+    data_bytes = 256 << 10
+    self.assertEqual(rings[0].schedule_for(data_bytes), "halving")
+    results = _on_each(rings, lambda r, ring: ring.all_reduce(
+        _inputs(r, data_bytes // 4)))
+    for got in results:
+      np.testing.assert_array_equal(got, results[0])
+    np.testing.assert_allclose(
+        results[0], sum(_inputs(r, data_bytes // 4).astype(np.float64)
+                        for r in range(8)), rtol=0, atol=1e-5)
+    self.assertFalse(rings[0].connected)  # Partners', not the ring's.
+
+  @parameterized.named_parameters(("doubling", "doubling", 3, "bfloat16"),
+                                  ("halving", "halving", 4, "float16"))
+  def test_compressed_wires_take_the_ring(self, name, n, wire):
+    rings = self._rings(n, schedule=name)
+    results = _on_each(rings, lambda r, ring: (
+        ring.all_reduce(_inputs(r, 100), wire=wire), ring.connected))
+    for got, connected in results:
+      np.testing.assert_array_equal(got, results[0][0])
+      self.assertTrue(connected)  # The ring's own connections.
+
+  @parameterized.named_parameters(("four", 4, 3), ("five", 5, 4),
+                                  ("eight", 8, 5))
+  def test_lost_partner_fails_every_rank(self, n, lost):
+    rings = self._rings(n, schedule="halving", timeout_s=60)
+
+    def fn(r, ring):
+      ring.all_reduce(np.ones(1000, np.float32))  # Every partner connected.
+      if r == lost:
+        ring.close()  # Like a process that exits.
+        return None
+      return _timed_loss(ring, np.ones(1000, np.float32))
+
+    results = _on_each(rings, fn)
+    for r, result in enumerate(results):
+      if r == lost:
+        continue
+      error, seconds = result
+      self.assertIsInstance(error, tfdist.WorkerLostError)
+      self.assertLess(seconds, 30)  # Not the 60 s timeout.
+      self.assertIs(rings[r].failure, error)
+    partner = halving.steps(lost, n, 1000)[0].partner
+    self.assertIn(f"worker:{partner} lost worker:{lost}",
+                  str(results[partner][0]))
 
 
 if __name__ == "__main__":

@@ -365,6 +365,16 @@ class TamperTest(parameterized.TestCase):
     for got in results:
       np.testing.assert_array_equal(got, np.full(50_000, 3.0))
 
+  @parameterized.named_parameters(
+      (name, name) for name in socket_ring.SCHEDULES)
+  def test_every_schedule_sums_authenticated_values(self, name):
+    # Four ranks: doubling and halving run on partners' rings of two,
+    # each with its own keys and tags.
+    results = _sum_of_ranks(_rings(4, LocalRendezvous(), schedule=name,
+                                   authenticate_values=True))
+    for got in results:
+      np.testing.assert_array_equal(got, np.full(5000, 10.0))
+
   def test_values_need_a_secret(self):
     with self.assertRaisesRegex(tfdist.ConfigError, "authenticate_values"):
       perf.SocketRing(rank=0, hosts=["127.0.0.1"] * 2,

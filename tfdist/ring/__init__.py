@@ -4,9 +4,11 @@ One module per seam, each testable alone:
 
 * the schedules, one module each, a row of `socket_ring`'s table:
   `schedule`, the ring (which elements each rank sends, receives and adds
-  at each step of the reduce-scatter and the all-gather), and `doubling`,
-  recursive doubling's partners for small buffers; the steps are pure
-  functions, and each module's ``all_reduce`` runs them on a ring;
+  at each step of the reduce-scatter and the all-gather), `doubling`,
+  recursive doubling's partners for small buffers, and `halving`,
+  recursive halving and doubling (Rabenseifner's) for larger ones at many
+  ranks; the steps are pure functions, and each module's ``all_reduce``
+  runs them on a ring;
 * `pieces`: a list of arrays read as their concatenation, never made (a
   model's gradients, summed as one buffer without packing them);
 * `wire`: what crosses the sockets: hellos, call headers, encoded values;

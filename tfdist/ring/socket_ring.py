@@ -18,9 +18,12 @@ segments (`tfdist.ring.schedule`): each process sends and receives
   all-reduce of a few values takes about two round trips.
 * **Schedules** (`SCHEDULES`, one module each): `choose` picks, by the
   alpha-beta model of each, the one of least time for a call's size and
-  the ring's, e.g. small float32 buffers take recursive doubling
-  (`tfdist.ring.doubling`): ``log2 n`` exchanges rather than ``2 (n - 1)``
-  steps. ``schedule=`` forces one (benchmarks).
+  the ring's. With float32 on the wire, small buffers take recursive
+  doubling (`tfdist.ring.doubling`, ``log2 n`` exchanges of the whole
+  buffer) and, from 4 ranks, middle and large ones recursive halving and
+  doubling (`tfdist.ring.halving`, ``2 log2 n`` exchanges moving the
+  ring's bytes), where the ring's ``2 (n - 1)`` steps would cost more.
+  ``schedule=`` forces one (benchmarks).
 * **In place**: ``out=data`` sums into the input (no output buffer; what
   the TensorFlow glue does with its packed gradients).
 * **Lists**: a list of arrays is summed as their concatenation without
@@ -81,6 +84,7 @@ from tfdist.ring import connection
 from tfdist.ring import courier as courier_lib
 from tfdist.ring import doubling
 from tfdist.ring import exchange
+from tfdist.ring import halving
 from tfdist.ring import pieces
 from tfdist.ring import schedule as ring_schedule
 from tfdist.ring import wire as wire_lib
@@ -100,7 +104,7 @@ DEFAULT_BLOCK_BYTES = 512 << 10
 #: which `choose` never picks it) and ``all_reduce(ring, x, out, wire,
 #: tag)``, run under the ring's lock. The ring, last, takes every call the
 #: others do not.
-SCHEDULES = {m.NAME: m for m in (doubling, ring_schedule)}
+SCHEDULES = {m.NAME: m for m in (doubling, halving, ring_schedule)}
 
 #: The link `choose` assumes by default: the slowest tfdist is measured on
 #: (1 Gbit/s: 0.95 of the line, as the bed's streams moved) and a step's
@@ -232,7 +236,8 @@ class SocketRing:
           field="authenticate_values", value=True, source=source,
           expected=f"a job secret ({_net.JOB_SECRET_VARIABLE} or secret=)")
     self._authenticate_values = bool(authenticate_values)
-    if schedule is not None and schedule not in SCHEDULES:
+    if schedule is not None and not (isinstance(schedule, str)
+                                     and schedule in SCHEDULES):
       raise ConfigError(field="schedule", value=schedule, source=source,
                         expected=f"None (the rule) or one of "
                                  f"{sorted(SCHEDULES)}")
@@ -272,12 +277,13 @@ class SocketRing:
 
   def schedule_for(self, nbytes: int, wire: str = "float32") -> str:
     """The schedule (a key of `SCHEDULES`) a call of ``nbytes`` float32
-    bytes with ``wire`` takes on this ring."""
+    bytes with ``wire`` takes on this ring: `choose`'s, or the one forced
+    (``schedule``) where it carries the wire; the ring for an empty
+    buffer (it moves only the call's header)."""
     forced = self._forced
-    if forced is not None:
-      return (forced if wire in SCHEDULES[forced].WIRES
-              else ring_schedule.NAME)
-    return choose(self.size, nbytes, wire)
+    if forced is None or not nbytes:
+      return choose(self.size, nbytes, wire)
+    return forced if wire in SCHEDULES[forced].WIRES else ring_schedule.NAME
 
   @property
   def calls(self) -> int:
@@ -486,6 +492,13 @@ class SocketRing:
     """One exchange of a recursive-doubling all-reduce, with the partner."""
     with self._lock:
       self._send_receive_locked(data, out, tag=tag, what="all-reduce")
+
+  def _step(self, length: int, tag: int, sends: list, recvs: list) -> None:
+    """One call of one step over this ring of two (a partner's): the
+    header, then ``sends`` and ``recvs`` (`tfdist.ring.exchange.Link`)."""
+    with self._lock:
+      self._call_locked("all-reduce", length, "float32", tag,
+                        [(sends, recvs)])
 
   @contextlib.contextmanager
   def _over_pairs(self):

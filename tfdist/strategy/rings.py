@@ -8,8 +8,9 @@ logged), on a port the OS picks, or the first free one of ``socket_ports``
 publishes it in TensorFlow's coordination service (the key-value store that
 MultiWorkerMirroredStrategy runs on its leader task) under
 ``tfdist/socket_transport/<ring>/<rank>``. Small buffers take recursive
-doubling (`tfdist.ring.socket_ring.choose`): with 3 workers or more each
-doubling partner gets a connection, and a port, of its own.
+doubling, and from 4 workers larger ones recursive halving
+(`tfdist.ring.socket_ring.choose`): with 3 workers or more each of their
+partners gets a connection, and a port, of its own.
 
 A strategy's rings are kept in its `tfdist.strategy.introspect.Record`, by
 their settings; they close when the process exits (``atexit``) or on
