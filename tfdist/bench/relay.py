@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import os
 import selectors
 import socket
 import subprocess
@@ -89,6 +90,13 @@ class Relay:
           f"latency relay: it ended instead of serving port {port} "
           f"(exit status {self._proc.poll()})")
     return int(line)
+
+  def cpu_s(self) -> float:
+    """The relay process's processor seconds so far (Linux's /proc)."""
+    with open(f"/proc/{self._proc.pid}/stat") as f:
+      # utime and stime, after the command's name in parentheses.
+      fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
   def close(self) -> None:
     """Ends the relay and every connection through it."""

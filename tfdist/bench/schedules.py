@@ -21,9 +21,10 @@ per schedule of `tfdist.ring.socket_ring.SCHEDULES`, forced
    through the relay; B does not.
 3. **The all-reduces**: float32 buffers of each size (rank-seeded random
    values, so the order of additions shows in the bits), every ring in
-   alternating windows of the same repetitions on every rank; medians.
-   Each rank's processor seconds (`os.times`) over the windows, and a hash
-   of each ring's result, go to rank 0 through the directory.
+   alternating windows (each window starting with the next ring) of the
+   same repetitions on every rank; medians. Each rank's processor seconds
+   (`os.times`, its relay's included) over the windows, and a hash of each
+   ring's result, go to rank 0 through the directory.
 
 `report` sets each schedule's median beside the alpha-beta model's time
 (``SCHEDULES[name].seconds(n, nbytes, latency_s=alpha, bytes_per_s=B)``)
@@ -181,7 +182,8 @@ def report(raw: dict) -> dict:
     raw: what rank 0 printed: ``ranks``, ``cores``, ``link``
       (`tfdist.bench.link.measure`'s), ``relay`` (or ``None``), and
       ``sizes``: by KiB, each ring's ``seconds`` (median), the rule's
-      ``pick``, every rank's ``cpu_s``, ``wall_s`` and result hashes.
+      ``pick``, every rank's ``cpu_s`` (its relay's included), ``wall_s``
+      and result hashes.
 
   Returns:
     ``ranks``, ``cores``, ``link``, ``relay`` (``None``, or its delay,
@@ -273,7 +275,7 @@ def _why(out: dict, kb: str) -> str:
              "windows: the gap is this run's spread")
   if busy >= _BUSY_LIMIT * cores:
     return text + ": the processors, not the link, were the limit"
-  return text + " (the kernel's packet work and any relay's not counted)"
+  return text + " (the kernel's packet work not counted)"
 
 
 def _time(fn, reps: int) -> float:
@@ -283,9 +285,10 @@ def _time(fn, reps: int) -> float:
   return (time.perf_counter() - start) / reps
 
 
-def _cpu_s() -> float:
+def _cpu_s(relay: relay_lib.Relay | None) -> float:
+  """This process's processor seconds, and its relay's."""
   t = os.times()
-  return t.user + t.system
+  return t.user + t.system + (relay.cpu_s() if relay else 0.0)
 
 
 def _relay_hops(*, rank: int, hosts: list[str], rendezvous, relay,
@@ -363,17 +366,20 @@ def main(argv: list[str] | None = None) -> int:
       reps = int(max(1, min(1000, _WINDOW_S * len(hosts) / max(total, 1e-6))))
       times: dict[str, list[float]] = {name: [] for name in calls}
       digests = {}
-      start, start_cpu = time.perf_counter(), _cpu_s()
+      start, start_cpu = time.perf_counter(), _cpu_s(relay)
+      names = list(calls)
       for window in range(args.windows):
-        for name, call in calls.items():
-          times[name].append(_time(call, reps))
+        # Each window starts with the next ring: none always follows the
+        # same one.
+        for name in names[window % len(names):] + names[:window % len(names)]:
+          times[name].append(_time(calls[name], reps))
           if window == args.windows - 1:
             digests[name] = hashlib.blake2b(out.data,
                                             digest_size=16).hexdigest()
       mine[str(kb)] = {
           "seconds": {k: statistics.median(t) for k, t in times.items()},
           "pick": rings[RULE].schedule_for(kb << 10),
-          "cpu_s": _cpu_s() - start_cpu,
+          "cpu_s": _cpu_s(relay) - start_cpu,
           "wall_s": time.perf_counter() - start, "digests": digests}
     # A relay may still hold a peer's last bytes: nobody closes before
     # every rank has its results.
