@@ -38,7 +38,6 @@ import sys
 import time
 
 from tfdist.bench import procs
-from tfdist.errors import StartupTimeoutError
 
 __all__ = ["Relay", "main"]
 
@@ -71,7 +70,8 @@ class Relay:
     """The port on which the relay forwards to ``port`` with ``delay_s``.
 
     Raises:
-      StartupTimeoutError: the relay did not answer within its bound.
+      procs.BenchProcessError: the relay ended, or did not answer within
+        its bound.
     """
     self._proc.stdin.write(f"{port} {delay_s!r}\n")
     self._proc.stdin.flush()
@@ -79,14 +79,14 @@ class Relay:
     ready.register(self._proc.stdout, selectors.EVENT_READ)
     try:
       if not ready.select(self._timeout_s):
-        raise StartupTimeoutError(
+        raise procs.BenchProcessError(
             f"latency relay: no answer for port {port} within "
             f"{self._timeout_s:g} s")
     finally:
       ready.close()
     line = self._proc.stdout.readline()
     if not line.strip().isdigit():
-      raise StartupTimeoutError(
+      raise procs.BenchProcessError(
           f"latency relay: it ended instead of serving port {port} "
           f"(exit status {self._proc.poll()})")
     return int(line)
