@@ -11,12 +11,16 @@ them (needs root, as the bed does; minutes)::
   sudo .venv/bin/python tests/bench_bed.py --hosts 2 --rates 1gbit 10gbit \\
       --json docs/bench_hosts.json --plot docs/bench_hosts_plot.png
 
-With ``--doubling`` it times small all-reduces instead, the ring against
-recursive doubling (`tfdist.bench.doubling`, no TensorFlow), on 2, 3 and 4
-hosts (``--doubling-hosts``) at each rate::
+With ``--schedules`` it sweeps float32 all-reduces instead, every schedule
+of the socket ring and the rule against the alpha-beta model, with the link
+measured in the same run (`tfdist.bench.schedules`, no TensorFlow), on each
+host count of ``--schedule-hosts`` at each rate, and at each one-way
+latency of ``--delays-us`` added by relays (`tfdist.bench.relay`; up to
+``--relay-max-kb``, the latency-bound sizes)::
 
-  sudo .venv/bin/python tests/bench_bed.py --doubling --rates 1gbit 10gbit \\
-      --json docs/bench_doubling_hosts.json
+  sudo .venv/bin/python tests/bench_bed.py --schedules --rates 1gbit \
+      --schedule-hosts 2 4 8 16 --delays-us 0 25 250 \
+      --json schedules.json --plot schedules.png
 
 Each report of the script carries ``bed``: the host count, the rate, each
 host's TensorFlow intra-op threads (its share of this machine's cores) and
@@ -33,10 +37,12 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import Sequence
 
 from tfdist import _net
-from tfdist.bench import doubling as doubling_lib
 from tfdist.bench import hosts as hosts_lib
+from tfdist.bench import plot as plot_lib
+from tfdist.bench import schedules as schedules_lib
 
 import cluster_utils
 import netbed
@@ -101,15 +107,39 @@ def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float,
   return report, outs, [p.returncode for p in procs]
 
 
-def doubling_on_bed(rate: str, *, hosts: int, sizes_kb: list[int],
-                    windows: int, timeout: float) -> dict:
-  """`tfdist.bench.doubling.measure` across ``hosts`` hosts of the bed."""
+def schedules_on_bed(rate: str, *, hosts: int, delays_us: Sequence[int],
+                     sizes_kb: Sequence[int], relay_max_kb: int,
+                     windows: int, timeout: float) -> dict[int, dict]:
+  """`tfdist.bench.schedules.measure` across ``hosts`` hosts of one bed,
+  once per one-way delay (µs; 0: no relay), each with its ``bed`` entry:
+  the host count, the rate, the delay and this machine's load averages
+  just before and after."""
   names = host_names(hosts)
+  out = {}
   with netbed.NetBed(hosts=names, rate=rate) as bed:
-    return doubling_lib.measure(
-        ranks=(hosts,), sizes_kb=sizes_kb, windows=windows,
-        timeout_s=timeout, hosts=[bed.address(h) for h in names],
-        wrap=lambda rank, argv: bed.command(names[rank], argv))
+    for delay in delays_us:
+      before = os.getloadavg()
+      report = schedules_lib.measure(
+          ranks=(hosts,), windows=windows, delay_s=delay * 1e-6,
+          sizes_kb=[kb for kb in sizes_kb if not delay or kb <= relay_max_kb],
+          timeout_s=timeout, hosts=[bed.address(h) for h in names],
+          wrap=lambda rank, argv: bed.command(names[rank], argv)
+      )["ranks"][str(hosts)]
+      report["bed"] = {"hosts": hosts, "rate": rate, "delay_us": delay,
+                       "load_before": list(before),
+                       "load_after": list(os.getloadavg())}
+      out[delay] = report
+  return out
+
+
+def _schedules_line(key: str, report: dict) -> str:
+  """One line of a sweep: per size, the rule's pick and its time over the
+  fastest schedule's."""
+  sizes = ", ".join(f"{kb} KiB {s['rule']['pick']} {s['chosen_vs_best']:.2f}"
+                    for kb, s in report["sizes"].items())
+  return (f"bench_bed: {key}: alpha {report['alpha_s'] * 1e6:.1f} us, B "
+          f"{report['bytes_per_s'] / 1e6:.1f} MB/s, same bits "
+          f"{report['same_bits']}; rule / fastest: {sizes}")
 
 
 def main() -> int:
@@ -124,30 +154,34 @@ def main() -> int:
   parser.add_argument("--bucket-mib", type=int,
                       help="tfdist bench --bucket-mib")
   parser.add_argument("--timeout", type=float, default=1200)
-  parser.add_argument("--doubling", action="store_true",
-                      help="small all-reduces: ring against recursive "
-                           "doubling")
-  parser.add_argument("--doubling-hosts", type=int, nargs="+",
-                      default=[2, 3, 4])
+  parser.add_argument("--schedules", action="store_true",
+                      help="all-reduce schedules against their model")
+  parser.add_argument("--schedule-hosts", type=int, nargs="+",
+                      default=[2, 4, 8, 16])
+  parser.add_argument("--delays-us", type=int, nargs="+", default=[0],
+                      help="one-way latencies added by relays (0: none)")
+  parser.add_argument("--sizes-kb", type=int, nargs="+",
+                      default=list(schedules_lib.SIZES_KB))
+  parser.add_argument("--relay-max-kb", type=int, default=1024,
+                      help="largest size swept through relays")
+  parser.add_argument("--windows", type=int, default=5)
   args = parser.parse_args()
-  if args.doubling:
+  if args.schedules:
     results = {}
     for rate in args.rates:
-      for n in args.doubling_hosts:
-        before = os.getloadavg()
-        result = doubling_on_bed(rate, hosts=n, sizes_kb=[1, 4, 16, 64, 256],
-                                 windows=3 if args.quick else 7,
-                                 timeout=args.timeout)
-        result["bed"] = {"hosts": n, "rate": rate,
-                         "load_before": list(before),
-                         "load_after": list(os.getloadavg())}
-        results[f"{rate}/{n}"] = result
-        print(f"bench_bed: {rate}, {n} hosts, ring time / doubling time by "
-              "KiB: " + ", ".join(
-                  f"{kb}: {v['speedup']:.2f}"
-                  for kb, v in result["ranks"][str(n)].items()), flush=True)
+      for n in args.schedule_hosts:
+        by_delay = schedules_on_bed(
+            rate, hosts=n, delays_us=args.delays_us, sizes_kb=args.sizes_kb,
+            relay_max_kb=args.relay_max_kb, windows=args.windows,
+            timeout=args.timeout)
+        for delay, report in by_delay.items():
+          key = f"{rate}/{n}/{delay}us"
+          results[key] = report
+          print(_schedules_line(key, report), flush=True)
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1, sort_keys=True)
+    if args.plot:
+      plot_lib.write_schedules_plot(results, args.plot)
     return 0
   reports = {}
   with tempfile.TemporaryDirectory() as workdir:

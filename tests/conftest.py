@@ -80,7 +80,8 @@ def pytest_configure(config):
 _WAIT_FIRST = ("test_slurm_templates.py", "test_multinode_launch.py",
                "test_slurm_preemption.py", "test_launch.py",
                "test_clean_exit.py", "test_signals.py", "test_faults.py")
-_BENCH_LAST = ("test_bench.py", "test_bench_hosts.py")
+_BENCH_LAST = ("test_bench.py", "test_bench_hosts.py",
+               "test_bench_schedules.py")
 
 
 #: What xdist's loadgroup adds to each node id: its stream.

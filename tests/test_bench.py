@@ -27,6 +27,7 @@ from tfdist.bench import report as report_lib
 from tfdist.bench import runner
 from tfdist.bench import scaling
 from tfdist.errors import ConfigError
+from tfdist.ring import socket_ring
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -94,14 +95,16 @@ class QuickBenchTest(absltest.TestCase):
     self.assertContainsSubset({"none", "fp16", "bf16", "socket",
                                "socket_fp16", "socket_bf16"}, set(sweep))
     self.assertGreater(report["raw"]["allreduce"]["loopback_bytes_per_s"], 0)
-    small = report["raw"]["allreduce"]["small"]  # Ring against doubling.
-    self.assertEqual(set(small["ranks"]), {"2", "3"})
-    for per_size in small["ranks"].values():
-      self.assertEqual(set(per_size), {"4", "256"})
-      for figures in per_size.values():
-        self.assertAlmostEqual(figures["speedup"],
-                               figures["ring_s"] / figures["doubling_s"])
-    self.assertEqual(small["chosen"]["2"], {"4": "doubling", "256": "ring"})
+    # The socket ring's schedules against their model, on loopback.
+    schedules_report = report["raw"]["allreduce"]["schedules"]["ranks"]
+    self.assertEqual(set(schedules_report), {"2", "3"})
+    for n, figures in schedules_report.items():
+      self.assertTrue(figures["same_bits"], n)
+      self.assertEqual(set(figures["sizes"]), {"4", "256"})
+      self.assertEqual({kb: s["rule"]["pick"]
+                        for kb, s in figures["sizes"].items()},
+                       {kb: socket_ring.choose(int(n), int(kb) << 10)
+                        for kb in ("4", "256")})
     self.assertEqual(
         report["raw"]["allreduce"]["method"],
         allreduce.method_name(scaling.RECOMMENDED["transport"],

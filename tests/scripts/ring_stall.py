@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from tfdist import _flight
-from tfdist.bench import doubling
+from tfdist.bench import schedules
 from tfdist.ring import SocketRing
 
 parser = argparse.ArgumentParser()
@@ -30,7 +30,7 @@ config = json.loads(os.environ["TF_CONFIG"])
 hosts = [a.rpartition(":")[0] for a in config["cluster"]["worker"]]
 rank = config["task"]["index"]
 ring = SocketRing(rank=rank, hosts=hosts,
-                  rendezvous=doubling._DirectoryRendezvous(args.dir),  # pylint: disable=protected-access
+                  rendezvous=schedules.DirectoryRendezvous(args.dir),
                   key="ring_stall", timeout_s=600, connect_timeout_s=60,
                   names=[f"worker:{i}" for i in range(len(hosts))])
 _flight.watch()

@@ -1,9 +1,11 @@
-"""The bench plots: throughput against workers, bandwidth against size, and
-the model's efficiency against hosts (``tfdist bench --project --plot``)."""
+"""The bench plots: throughput against workers, bandwidth against size, the
+model's efficiency against hosts (``tfdist bench --project --plot``), and
+the all-reduce schedules' times against their model by host count."""
 
 from __future__ import annotations
 
-__all__ = ["write_plot", "write_projection_plot", "METHOD_LABELS"]
+__all__ = ["write_plot", "write_projection_plot", "write_schedules_plot",
+           "METHOD_LABELS"]
 
 
 _LINES = {"raw": "--", "tfdist": "-", "alone": ":"}
@@ -91,4 +93,45 @@ def write_projection_plot(table: dict, path: str) -> None:
     ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def write_schedules_plot(reports: dict[str, dict], path: str) -> None:
+  """Writes sweeps of `tfdist.bench.schedules.report` as a PNG.
+
+  A panel per host count (columns) and per rate and relay delay (rows, from
+  each report's ``bed``): each schedule's measured time against the size,
+  solid, its model's dashed in the same colour, the rule's pick as black
+  crosses (needs matplotlib).
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")  # No display: files only.
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  columns = sorted({r["ranks"] for r in reports.values()})
+  rows = sorted({(r["bed"]["rate"], r["bed"]["delay_us"])
+                 for r in reports.values()})
+  fig, axes = plt.subplots(len(rows), len(columns), squeeze=False,
+                           figsize=(4.2 * len(columns), 3.6 * len(rows)))
+  for report in reports.values():
+    rate, delay = report["bed"]["rate"], report["bed"]["delay_us"]
+    ax = axes[rows.index((rate, delay))][columns.index(report["ranks"])]
+    sizes = sorted(report["sizes"], key=int)
+    kib = [int(kb) for kb in sizes]
+    names = list(report["sizes"][sizes[0]]["schedules"])
+    for i, name in enumerate(names):
+      rows_of = [report["sizes"][kb]["schedules"][name] for kb in sizes]
+      ax.plot(kib, [r["measured_s"] * 1e3 for r in rows_of], marker="o",
+              markersize=3, color=f"C{i}", label=name)
+      ax.plot(kib, [r["model_s"] * 1e3 for r in rows_of], linestyle="--",
+              color=f"C{i}", linewidth=0.8)
+    ax.plot(kib, [report["sizes"][kb]["rule"]["measured_s"] * 1e3
+                  for kb in sizes], "kx", label="the rule's pick")
+    ax.set(xlabel="float32 KiB", ylabel="ms per all-reduce",
+           title=f"{report['ranks']} hosts, {rate}"
+                 + (f", +{delay} us (relay)" if delay else ""))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, title="dashed: model", title_fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
   plt.close(fig)

@@ -17,11 +17,11 @@ import time
 from typing import Any, Callable
 
 from tfdist.bench import allreduce as allreduce_lib
-from tfdist.bench import doubling as doubling_lib
 from tfdist.bench import memory as memory_lib
 from tfdist.bench import overhead as overhead_lib
 from tfdist.bench import report as report_lib
 from tfdist.bench import scaling as scaling_lib
+from tfdist.bench import schedules as schedules_lib
 from tfdist.bench import startup as startup_lib
 from tfdist.errors import ConfigError
 
@@ -50,11 +50,11 @@ class BenchConfig:
     allreduce_mb: float32 tensor sizes of the all-reduce sweep.
     allreduce_iterations: timed all-reduces per size.
     loopback_mb: MiB per loopback transfer.
-    doubling_ranks: process counts of the small all-reduces, ring against
-      recursive doubling (`tfdist.bench.doubling`; no TensorFlow, so more
+    schedule_ranks: process counts of the socket ring's schedules against
+      their model (`tfdist.bench.schedules`; no TensorFlow, so more
       processes than cores).
-    doubling_kb: their float32 sizes in KiB.
-    doubling_windows: their timing windows per size and schedule.
+    schedule_kb: their float32 sizes in KiB.
+    schedule_windows: their timing windows per size and schedule.
     startup_repeats: start-up runs of each kind, and memory runs.
     memory_model: the `tfdist.bench.models.MODELS` entry the memory runs
       train (`tfdist.bench.memory`).
@@ -74,9 +74,9 @@ class BenchConfig:
   allreduce_mb: tuple[float, ...] = (1, 4, 16, 64)
   allreduce_iterations: int = 5
   loopback_mb: int = 512
-  doubling_ranks: tuple[int, ...] = (2, 3, 4, 8)
-  doubling_kb: tuple[int, ...] = (4, 64, 256, 1024)
-  doubling_windows: int = 5
+  schedule_ranks: tuple[int, ...] = (2, 3, 4, 8)
+  schedule_kb: tuple[int, ...] = (4, 16, 64, 256, 1024)
+  schedule_windows: int = 5
   startup_repeats: int = 3
   memory_model: str = "deep_mlp"
   memory_steps: int = 10
@@ -88,8 +88,8 @@ QUICK = BenchConfig(quick=True, overhead_steps=20, overhead_rounds=1,
                     train_steps=10, train_rounds=1, alone_steps=10,
                     timeline_steps=2, cluster_repeats=1,
                     allreduce_mb=(1, 4), allreduce_iterations=2,
-                    loopback_mb=64, doubling_ranks=(2, 3),
-                    doubling_kb=(4, 256), doubling_windows=2,
+                    loopback_mb=64, schedule_ranks=(2, 3),
+                    schedule_kb=(4, 256), schedule_windows=2,
                     startup_repeats=1, memory_model="wide_mlp",
                     memory_steps=5, timeout_s=240.0)
 FULL = BenchConfig()
@@ -126,11 +126,12 @@ def _allreduce(c: BenchConfig, results: Results) -> dict:
       sweep, loopback, method=allreduce_lib.method_name(
           scaling_lib.RECOMMENDED["transport"],
           scaling_lib.RECOMMENDED["compression"]))
-  small = doubling_lib.measure(ranks=c.doubling_ranks, sizes_kb=c.doubling_kb,
-                               windows=c.doubling_windows,
-                               timeout_s=c.timeout_s)
+  schedules = schedules_lib.measure(
+      ranks=c.schedule_ranks, sizes_kb=c.schedule_kb,
+      windows=c.schedule_windows, link_seconds=0.3 if c.quick else 1.0,
+      timeout_s=c.timeout_s)
   return {**summary, "loopback_bytes_per_s": loopback, "sweep": sweep,
-          "small": small}
+          "schedules": schedules}
 
 
 def _startup(c: BenchConfig, results: Results) -> dict:

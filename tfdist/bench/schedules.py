@@ -1,0 +1,409 @@
+"""The socket ring's all-reduce schedules, measured against their model.
+
+`measure` starts ``n`` processes on this machine for each ``n`` of
+``ranks`` (Python and numpy only, no TensorFlow, so 16 fit on 2 cores; with
+``wrap``, each in its own host of the network bed), joined through a
+directory (`DirectoryRendezvous`). Each holds one `tfdist.ring.SocketRing`
+per schedule of `tfdist.ring.socket_ring.SCHEDULES`, forced
+(``schedule=NAME``), and one that follows the rule (``schedule=None``,
+`tfdist.ring.socket_ring.choose`). In one run, one after the other:
+
+1. **The link** (`tfdist.bench.link`): ``bytes_per_s``, B, the slowest
+   rank's receive rate while every rank streams to its right neighbour at
+   once, and ``hop_latency_s``, alpha, a small token's time per hop round
+   the ring.
+2. **The relay** (with ``delay_s`` > 0; `tfdist.bench.relay`): each rank
+   starts a relay, and every ring connection goes through the receiving
+   rank's relay, which holds each chunk ``delay_s``: a latency the kernel
+   here cannot add (no netem). The relay's own cost is the hop latency
+   through it at delay 0 against the direct one; alpha is then the hop
+   latency through it at ``delay_s``. The all-reduce times and alpha come
+   through the relay; B does not.
+3. **The all-reduces**: float32 buffers of each size (rank-seeded random
+   values, so the order of additions shows in the bits), every ring in
+   alternating windows (each window starting with the next ring) of the
+   same repetitions on every rank; medians. Each rank's processor seconds
+   (`os.times`, its relay's included) over the windows, and a hash of each
+   ring's result, go to rank 0 through the directory.
+
+`report` sets each schedule's median beside the alpha-beta model's time
+(``SCHEDULES[name].seconds(n, nbytes, latency_s=alpha, bytes_per_s=B)``)
+and scores the rule against the fastest schedule measured (targets: the
+pick within 1.25x of it at every size; at 4 MiB and up, bus bandwidth
+``S / t * 2 (n - 1) / n`` of 0.95 of B up to 8 ranks, 0.9 above). A
+missed target says how busy the processes kept this machine's cores,
+which they all share. Every figure is a ratio within one run.
+
+Run as a module, it is one of those processes::
+
+  python -m tfdist.bench.schedules --rank 0 --hosts 10.0.0.1,10.0.0.2 \\
+      --dir DIR --sizes-kb 4,64 --windows 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from tfdist.bench import link as link_lib
+from tfdist.bench import procs
+from tfdist.bench import relay as relay_lib
+from tfdist.ring import socket_ring
+
+__all__ = ["DirectoryRendezvous", "SIZES_KB", "RULE", "measure", "report",
+           "busbw_target", "main"]
+
+#: float32 buffer sizes swept by default: 4 KiB to 64 MiB, powers of 4.
+SIZES_KB = tuple(4 ** k for k in range(1, 10))
+#: The report's name of the ring that follows the rule.
+RULE = "rule"
+CHOSEN_TARGET = 1.25  # Rule's time over the fastest schedule's, at most.
+BUSBW_FROM_KB = 4096  # Bus bandwidth is scored from this size up.
+_WINDOW_S = 0.05  # Aim of one timing window.
+_BUSY_LIMIT = 0.9  # Share of the cores busy at which they are the limit.
+
+
+class DirectoryRendezvous:
+  """Values published as files of one directory (every process on this
+  machine, the bed's hosts included)."""
+
+  def __init__(self, path: str):
+    self._path = path
+
+  def _file(self, key: str) -> str:
+    return os.path.join(self._path, key.replace("/", "_"))
+
+  def publish(self, key: str, value: str) -> None:
+    staged = self._file(key) + ".staged"
+    with open(staged, "w") as f:
+      f.write(value)
+    os.replace(staged, self._file(key))
+
+  def lookup(self, key: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+      try:
+        with open(self._file(key)) as f:
+          return f.read()
+      except FileNotFoundError:
+        if time.monotonic() > deadline:
+          raise TimeoutError(key) from None
+        time.sleep(0.01)
+
+
+class _Relayed:
+  """A rendezvous that publishes, for each ring's listening port, the port
+  of this rank's relay in front of it (`tfdist.ring.connection` publishes
+  nothing else)."""
+
+  def __init__(self, inner: DirectoryRendezvous, relay, delay_s: float):
+    self._inner, self._relay, self._delay_s = inner, relay, delay_s
+
+  def publish(self, key: str, value: str) -> None:
+    self._inner.publish(key, str(self._relay.forward(int(value),
+                                                     self._delay_s)))
+
+  def lookup(self, key: str, timeout_s: float) -> str:
+    return self._inner.lookup(key, timeout_s)
+
+
+def busbw_target(ranks: int) -> float:
+  """The bus bandwidth wanted of the link at 4 MiB and up."""
+  return 0.95 if ranks <= 8 else 0.9
+
+
+def measure(*, ranks: Sequence[int] = (2, 4, 8),
+            sizes_kb: Sequence[int] = SIZES_KB, windows: int = 5,
+            delay_s: float = 0.0, link_seconds: float = 1.0,
+            link_repeats: int = 3, timeout_s: float = 600.0,
+            hosts: Sequence[str] | None = None,
+            wrap: Callable[[int, list[str]], list[str]] | None = None
+            ) -> dict:
+  """Times every schedule and the rule at each size and process count.
+
+  Args:
+    ranks: process counts, one group after another.
+    sizes_kb: float32 buffer sizes in KiB.
+    windows: timing windows per size and ring (alternating).
+    delay_s: with more than 0, every ring connection goes through a relay
+      holding each chunk this long one way (`tfdist.bench.relay`).
+    link_seconds: how long each of the link's streams sends.
+    link_repeats: the link's streams timed (median).
+    timeout_s: limit on each group of processes, and on any one wait.
+    hosts: each rank's host or address, for one group spanning hosts
+      (``ranks`` is then its size); 127.0.0.1 for every rank when ``None``.
+    wrap: ``wrap(rank, argv)``: the command that runs ``argv`` on that
+      rank's host (e.g. inside its network namespace); ``argv`` as it is
+      when ``None``.
+
+  Returns:
+    ``{"ranks": {n: report(...)}}`` (keys as strings).
+
+  Raises:
+    ValueError: ``hosts`` that are not one per rank.
+    tfdist.bench.procs.BenchProcessError: a process failed or ran late.
+  """
+  out: dict = {"ranks": {}}
+  for n in ranks:
+    where = list(hosts) if hosts else ["127.0.0.1"] * n
+    if len(where) != n:
+      raise ValueError(f"hosts: {len(where)} for a group of {n}")
+    with tempfile.TemporaryDirectory(prefix="tfdist-bench-schedules-") as d:
+      commands = [procs.python_module(
+          "tfdist.bench.schedules", "--rank", str(r), "--hosts",
+          ",".join(where), "--dir", d, "--sizes-kb",
+          ",".join(map(str, sizes_kb)), "--windows", str(windows),
+          "--delay-s", repr(delay_s), "--link-seconds", repr(link_seconds),
+          "--link-repeats", str(link_repeats), "--timeout-s",
+          repr(timeout_s)) for r in range(n)]
+      if wrap:
+        commands = [wrap(r, c) for r, c in enumerate(commands)]
+      finished = procs.run_all(commands, [procs.worker_env()] * n,
+                               timeout_s=timeout_s,
+                               what=f"schedules with {n} processes")
+    out["ranks"][str(n)] = report(procs.json_lines(finished[0].stdout)[-1])
+  return out
+
+
+def report(raw: dict) -> dict:
+  """Rank 0's figures set against the model, the rule scored.
+
+  Args:
+    raw: what rank 0 printed: ``ranks``, ``cores``, ``link``
+      (`tfdist.bench.link.measure`'s), ``relay`` (or ``None``), and
+      ``sizes``: by KiB, each ring's ``seconds`` (median), the rule's
+      ``pick``, every rank's ``cpu_s`` (its relay's included), ``wall_s``
+      and result hashes.
+
+  Returns:
+    ``ranks``, ``cores``, ``link``, ``relay`` (``None``, or its delay,
+    hop latencies and the figures it ``carried``), ``alpha_s`` and
+    ``bytes_per_s`` (the model's), ``same_bits`` (every rank's result
+    hashes agree for every ring and size; ``differing`` names any that do
+    not), ``sizes`` by KiB: ``schedules`` (each with ``measured_s``,
+    ``model_s``, ``measured_vs_model``), ``rule`` (``pick``,
+    ``measured_s``), ``best`` (``measured``, ``model``), ``chosen_vs_best``
+    (the rule's time over the fastest schedule's), ``busbw_fraction`` (the
+    rule's bus bandwidth over B), ``busy_cores`` (the processes' CPU
+    seconds per second) and ``cpu_s`` by rank; and ``targets``, each with
+    ``value``, ``target``, ``met``, ``at_kb`` and, when missed, ``why``.
+  """
+  n, link, relay = raw["ranks"], raw["link"], raw["relay"]
+  alpha = relay["hop_latency_s"] if relay else link["hop_latency_s"]
+  rate = link["bytes_per_s"]
+  if relay:
+    relay = {**relay, "carried": ["alpha_s", "sizes"]}  # Not B.
+  out = {"ranks": n, "cores": raw["cores"], "link": link, "relay": relay,
+         "alpha_s": alpha, "bytes_per_s": rate, "sizes": {}}
+  differing = []
+  for kb, got in raw["sizes"].items():
+    nbytes = int(kb) << 10
+    rows = {}
+    for name, module in socket_ring.SCHEDULES.items():
+      measured = got["seconds"][name]
+      model = module.seconds(n, nbytes, latency_s=alpha, bytes_per_s=rate)
+      rows[name] = {"measured_s": measured, "model_s": model,
+                    "measured_vs_model": measured / model}
+    rule_s = got["seconds"][RULE]
+    fastest = min(rows, key=lambda s: rows[s]["measured_s"])
+    out["sizes"][kb] = {
+        "bytes": nbytes, "schedules": rows,
+        "rule": {"pick": got["pick"], "measured_s": rule_s},
+        "best": {"measured": fastest,
+                 "model": min(rows, key=lambda s: rows[s]["model_s"])},
+        "chosen_vs_best": rule_s / rows[fastest]["measured_s"],
+        "busbw_fraction": nbytes / rule_s * 2 * (n - 1) / n / rate,
+        "busy_cores": sum(got["cpu_s"]) / max(got["wall_s"]),
+        "cpu_s": got["cpu_s"]}
+    differing += [f"{kb} KiB {name}" for name, digests in
+                  got["digests"].items() if len(set(digests)) != 1]
+  out["same_bits"] = not differing
+  if differing:
+    out["differing"] = differing
+  out["targets"] = _targets(out)
+  return out
+
+
+def _targets(out: dict) -> dict:
+  sizes = out["sizes"]
+  targets = {}
+  worst = max(sizes, key=lambda kb: sizes[kb]["chosen_vs_best"])
+  targets["chosen_vs_best"] = _scored(
+      out, worst, sizes[worst]["chosen_vs_best"], CHOSEN_TARGET, at_most=True)
+  large = [kb for kb in sizes if int(kb) >= BUSBW_FROM_KB]
+  if large:
+    low = min(large, key=lambda kb: sizes[kb]["busbw_fraction"])
+    targets["busbw_fraction"] = _scored(
+        out, low, sizes[low]["busbw_fraction"], busbw_target(out["ranks"]),
+        at_most=False)
+  return targets
+
+
+def _scored(out: dict, kb: str, value: float, target: float, *,
+            at_most: bool) -> dict:
+  met = value <= target if at_most else value >= target
+  entry = {"value": value, "target": target, "met": met, "at_kb": int(kb)}
+  if not met:
+    entry["why"] = _why(out, kb)
+  return entry
+
+
+def _why(out: dict, kb: str) -> str:
+  """What the run says about a miss at ``kb``: the schedules and the cores."""
+  size = out["sizes"][kb]
+  rule, best, rows = size["rule"], size["best"], size["schedules"]
+  busy, cores, n = size["busy_cores"], out["cores"], out["ranks"]
+  fastest_s = rows[best["measured"]]["measured_s"]
+  text = (f"at {kb} KiB the rule took {rule['pick']} "
+          f"({rule['measured_s'] * 1e3:.3f} ms), the fastest measured was "
+          f"{best['measured']} ({fastest_s * 1e3:.3f} ms), the model's best "
+          f"{best['model']}; the {n} processes "
+          f"share this machine's {cores} cores and kept {busy:.2f} of them "
+          "busy in these all-reduces")
+  if best["measured"] == rule["pick"]:
+    text += (f"; {rule['pick']} itself on its own ring, timed in the same "
+             "windows: the gap is this run's spread")
+  if busy >= _BUSY_LIMIT * cores:
+    return text + ": the processors, not the link, were the limit"
+  return text + " (the kernel's packet work not counted)"
+
+
+def _time(fn, reps: int) -> float:
+  start = time.perf_counter()
+  for _ in range(reps):
+    fn()
+  return (time.perf_counter() - start) / reps
+
+
+def _cpu_s(relay: relay_lib.Relay | None) -> float:
+  """This process's processor seconds, and its relay's."""
+  t = os.times()
+  return t.user + t.system + (relay.cpu_s() if relay else 0.0)
+
+
+def _relay_hops(*, rank: int, hosts: list[str], rendezvous, relay,
+                delays: Sequence[float], timeout_s: float) -> list[float]:
+  """Hop latencies round the ring through the relays, one per delay (rank
+  0's; others' are ``None``)."""
+  n = len(hosts)
+  right, left = (rank + 1) % n, (rank - 1) % n
+  hops = []
+  for delay in delays:
+    key = f"relay-hop/{delay!r}"
+    with socket.create_server(("", 0), family=socket.AF_INET6 if ":" in
+                              hosts[rank] else socket.AF_INET) as server:
+      server.settimeout(timeout_s)
+      rendezvous.publish(f"{key}/{rank}", str(relay.forward(
+          server.getsockname()[1], delay)))
+      port = int(rendezvous.lookup(f"{key}/{right}", timeout_s))
+      hops.append(link_lib.hop_latency(
+          server=server, right=(hosts[right], port), rank=rank, left=left,
+          key=key, n=n, timeout_s=timeout_s))
+  return hops
+
+
+def main(argv: list[str] | None = None) -> int:
+  """One process of a `measure` group; rank 0 prints the raw JSON."""
+  parser = argparse.ArgumentParser(prog="tfdist.bench.schedules")
+  parser.add_argument("--rank", type=int, required=True)
+  parser.add_argument("--hosts", required=True,
+                      help="every rank's host or address, comma-separated")
+  parser.add_argument("--dir", required=True)
+  parser.add_argument("--sizes-kb", required=True)
+  parser.add_argument("--windows", type=int, default=5)
+  parser.add_argument("--delay-s", type=float, default=0.0)
+  parser.add_argument("--link-seconds", type=float, default=1.0)
+  parser.add_argument("--link-repeats", type=int, default=3)
+  parser.add_argument("--timeout-s", type=float, default=600.0)
+  args = parser.parse_args(argv)
+  rank, hosts = args.rank, args.hosts.split(",")
+  directory = DirectoryRendezvous(args.dir)
+  link = link_lib.measure(rank=rank, hosts=hosts, rendezvous=directory,
+                          key="link", seconds=args.link_seconds,
+                          repeats=args.link_repeats, timeout_s=args.timeout_s)
+  relay, relayed, rendezvous = None, None, directory
+  if args.delay_s > 0:
+    relay = relay_lib.Relay(hosts[rank], timeout_s=args.timeout_s)
+    zero, held = _relay_hops(rank=rank, hosts=hosts, rendezvous=directory,
+                             relay=relay, delays=(0.0, args.delay_s),
+                             timeout_s=args.timeout_s)
+    if rank == 0:
+      relayed = {"delay_s": args.delay_s, "hop_latency_s": held,
+                 "hop_latency_zero_s": zero,
+                 "added_latency_s": zero - link["hop_latency_s"]}
+    rendezvous = _Relayed(directory, relay, args.delay_s)
+  common = dict(rank=rank, hosts=hosts, rendezvous=rendezvous,
+                secret="tfdist bench", connect_timeout_s=args.timeout_s,
+                timeout_s=args.timeout_s)
+  rings = {name: socket_ring.SocketRing(key=f"schedules/{name}",
+                                        schedule=name, **common)
+           for name in socket_ring.SCHEDULES}
+  rings[RULE] = socket_ring.SocketRing(key=f"schedules/{RULE}", **common)
+  rng = np.random.default_rng(rank)
+  mine = {}
+  try:
+    for kb in (int(s) for s in args.sizes_kb.split(",")):
+      x = rng.standard_normal(kb * 256, dtype=np.float32)
+      out = np.empty_like(x)
+      calls = {name: lambda r=r: r.all_reduce(x, out=out)
+               for name, r in rings.items()}
+      for call in calls.values():  # Connects, warms up.
+        call()
+      # The same repetitions on every rank (they call in step), from the
+      # rule's time summed over the ranks: the same bits everywhere.
+      probe = np.array([_time(calls[RULE], 1)], np.float32)
+      total = float(rings[RULE].all_reduce(probe)[0])
+      reps = int(max(1, min(1000, _WINDOW_S * len(hosts) / max(total, 1e-6))))
+      times: dict[str, list[float]] = {name: [] for name in calls}
+      digests = {}
+      start, start_cpu = time.perf_counter(), _cpu_s(relay)
+      names = list(calls)
+      for window in range(args.windows):
+        # Each window starts with the next ring: none always follows the
+        # same one.
+        for name in names[window % len(names):] + names[:window % len(names)]:
+          times[name].append(_time(calls[name], reps))
+          if window == args.windows - 1:
+            digests[name] = hashlib.blake2b(out.data,
+                                            digest_size=16).hexdigest()
+      mine[str(kb)] = {
+          "seconds": {k: statistics.median(t) for k, t in times.items()},
+          "pick": rings[RULE].schedule_for(kb << 10),
+          "cpu_s": _cpu_s(relay) - start_cpu,
+          "wall_s": time.perf_counter() - start, "digests": digests}
+    # A relay may still hold a peer's last bytes: nobody closes before
+    # every rank has its results.
+    directory.publish(f"result/{rank}", json.dumps(mine))
+    ranks = [json.loads(directory.lookup(f"result/{r}", args.timeout_s))
+             for r in range(len(hosts))]
+  finally:
+    for r in rings.values():
+      r.close()
+    if relay is not None:
+      relay.close()
+  if rank == 0:
+    sizes = {kb: {"seconds": got["seconds"], "pick": got["pick"],
+                  "cpu_s": [r[kb]["cpu_s"] for r in ranks],
+                  "wall_s": [r[kb]["wall_s"] for r in ranks],
+                  "digests": {name: [r[kb]["digests"][name] for r in ranks]
+                              for name in got["digests"]}}
+             for kb, got in mine.items()}
+    print(json.dumps({"ranks": len(hosts),
+                      "cores": len(os.sched_getaffinity(0)),
+                      "link": link, "relay": relayed, "sizes": sizes}),
+          flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
