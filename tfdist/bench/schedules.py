@@ -64,7 +64,7 @@ __all__ = ["DirectoryRendezvous", "SIZES_KB", "RULE", "measure", "report",
            "busbw_target", "main"]
 
 #: float32 buffer sizes swept by default: 4 KiB to 64 MiB, powers of 4.
-SIZES_KB = tuple(4 ** k for k in range(1, 10))
+SIZES_KB = tuple(4 ** k for k in range(1, 9))
 #: The report's name of the ring that follows the rule.
 RULE = "rule"
 CHOSEN_TARGET = 1.25  # Rule's time over the fastest schedule's, at most.
