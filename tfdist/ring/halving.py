@@ -62,11 +62,16 @@ __all__ = ["NAME", "WIRES", "CAP_BYTES", "Step", "steps", "seconds",
 NAME = "halving"
 #: The wire dtypes it carries (compressed wires take the ring).
 WIRES = ("float32",)
-#: No cap, unlike doubling: it moves the ring's bytes in blocks as the ring
-#: does, and measured on loopback (2 cores, 8 and 16 processes, forced by
-#: ``schedule=``) the ring took 0.91-2.3x its time from 1 to 64 MiB, the
-#: two in the machine's noise at 4 MiB and up, halving ahead below.
-CAP_BYTES = None
+#: The rule never picks it above this many float32 bytes, whatever the
+#: model says (the model has it as fast as the ring there: the same bytes,
+#: fewer latencies). Measured on the bed at 1 Gbit/s
+#: (`tfdist.bench.schedules`, docs/benchmarks.md "Many hosts"): at 256 KiB
+#: and 1 MiB it was the fastest or within 1.1x of it at 4, 8 and 16 hosts
+#: (1.58x faster than the ring at 16 hosts and 1 MiB), but from 4 MiB the
+#: ring was 1.0-1.2x faster at 4 hosts, 1.2-1.6x at 8 and 1.3-2.0x at 16:
+#: each step is a burst on another connection, which the ring's one
+#: steady stream per neighbour is not.
+CAP_BYTES = 1 << 20
 
 _NONE = (0, 0)
 

@@ -107,12 +107,17 @@ DEFAULT_BLOCK_BYTES = 512 << 10
 SCHEDULES = {m.NAME: m for m in (doubling, halving, ring_schedule)}
 
 #: The link `choose` assumes by default: the slowest tfdist is measured on
-#: (1 Gbit/s: 0.95 of the line, as the bed's streams moved) and a step's
-#: latency in Python over it (the bed measured 13-28 us a hop). A faster
-#: link moves every crossover to larger buffers, so the picks stay on the
-#: safe side there and leave some gain unused.
+#: (1 Gbit/s: 0.95 of the line, as the bed's streams moved) and what one
+#: message costs a schedule over it, in Python at both ends: a small token
+#: crosses a hop of the bed in 13-28 us, but a schedule's step also encodes,
+#: checks a header and adds; two hosts of the bed, each with a core, took
+#: 73 us a ring step and 98 us a doubling exchange at 4 KiB
+#: (`tfdist.bench.schedules`, docs/benchmarks.md "Many hosts"). With 30 us
+#: the rule took halving from 8 KiB at 8 hosts, where doubling measured
+#: 1.6-1.9x faster. A faster link moves every crossover to larger buffers,
+#: so the picks stay on the safe side there and leave some gain unused.
 DEFAULT_BYTES_PER_S = 0.95 * 125e6
-DEFAULT_LATENCY_S = 30e-6
+DEFAULT_LATENCY_S = 100e-6
 #: Another schedule must beat the ring's model time by more than rounding:
 #: a tie keeps the ring, which needs no connections of its own.
 _TIE = 1e-9
