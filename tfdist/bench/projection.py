@@ -63,11 +63,10 @@ __all__ = ["Link", "Workload", "Step", "SCHEDULES", "WORKLOADS",
            "overlapped_seconds", "step", "project", "check",
            "check_training", "format_table"]
 
-#: One hop's latency (s) when none is measured: the token round of
-#: `tfdist.bench.link.hop_latency` between two hosts of the test bed
-#: measured 20-60 us; a datacenter TCP hop with Python at both ends is of
-#: that order.
-DEFAULT_LATENCY_S = 30e-6
+#: One message's cost (s) when none is measured: what the socket ring's
+#: rule assumes (`tfdist.ring.socket_ring.DEFAULT_LATENCY_S`), a step of
+#: tfdist's Python schedules as two hosts of the bed measured it.
+DEFAULT_LATENCY_S = socket_ring.DEFAULT_LATENCY_S
 #: TCP payload per bit of line rate: the test bed's streams moved 119 MB/s
 #: at 1 Gbit/s and 1182 MB/s at 10 Gbit/s (0.95 and 0.946).
 DEFAULT_GOODPUT = 0.95
