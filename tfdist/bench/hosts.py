@@ -18,7 +18,8 @@ In one run, on the same hosts and sockets' routes:
    of the link the all-reduce uses. With a 16-bit wire dtype the effective
    figure (float32 bytes reduced) can pass 1: up to 2;
 3. **schedules**: every schedule of the socket ring and its rule on numpy
-   buffers, float32 from 4 KiB to 64 MiB, beside the alpha-beta model's
+   buffers, float32 from 4 KiB to 64 MiB (``schedule_sizes_kb``; the quick
+   preset 4 KiB, 256 KiB and 4 MiB), beside the alpha-beta model's
    time for each from the link's rate and hop latency above
    (`tfdist.bench.schedules.sweep`, scored by its ``report``:
    ``raw.schedules``): the rule's pick against the fastest schedule;
@@ -112,7 +113,7 @@ class HostsConfig:
     schedule_sizes_kb: float32 sizes of the schedules' sweep (KiB).
     schedule_windows: its timing windows per size and schedule.
     timeout_s: bound on connecting and on any one socket operation of the
-      link measurement.
+      link measurement and of the schedules' rings.
   """
   quick: bool = False
   model: str = "wide_mlp"
