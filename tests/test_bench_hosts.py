@@ -1,8 +1,10 @@
 """``tfdist bench --across-hosts`` between two hosts of the network test bed.
 
-Runs the quick preset at 1 and 10 Gbit/s between two hosts, and at 10 Gbit/s
+Runs the quick preset at 1 Gbit/s between two hosts, and at 10 Gbit/s
 between three, and checks the report's shape and meaning, never its speed:
-the figures are for the bench (docs/benchmarks.md).
+the figures are for the bench (docs/benchmarks.md). Among them the socket
+ring's schedules against their model (``raw.schedules``), checked as
+tests/test_bench_schedules.py checks the sweep on its own.
 """
 
 import sys
@@ -14,10 +16,14 @@ import pytest
 
 from tfdist.bench import hosts as hosts_lib
 from tfdist.bench import report as report_lib
+from tfdist.bench import schedules as schedules_lib
+from tfdist.ring import socket_ring
 
 import bench_bed
 import cluster_utils
 import netbed
+from test_bench_schedules import check_report
+from test_bench_schedules import raw_figures
 
 _BED = netbed.netbed_unavailable_reason()
 _RATES = {"1gbit": 1e9 / 8, "10gbit": 1e10 / 8}  # Bytes per second.
@@ -119,6 +125,7 @@ class AcrossHostsTest(parameterized.TestCase):
     self.assertGreater(training["softirq_share"]["tfdist"], 0)
     chief_out = next(o for o in outs if "across 2 workers" in o)
     self.assertIn("training_speedup_vs_raw", chief_out)
+    self._check_schedules(report, chief_out)
     self.assertTrue(any("the chief prints the report" in o for o in outs))
 
 
@@ -140,6 +147,22 @@ class AcrossHostsTest(parameterized.TestCase):
       # NCCL's bus bandwidth: 2 (n - 1) / n of the algorithm bandwidth.
       self.assertAlmostEqual(figures["busbw"], figures["algbw"] * 4 / 3)
     self.assertEqual(report["model_check"]["p"], 3)
+    self._check_schedules(
+        report, next(o for o in outs if "across 3 workers" in o))
+
+  def _check_schedules(self, report: dict, chief_out: str) -> None:
+    """Every schedule and the rule beside the model, from the link this
+    run measured once; the chief's table says the pick and the targets."""
+    schedules = report["raw"]["schedules"]
+    sizes_kb = list(hosts_lib.HOSTS_QUICK.schedule_sizes_kb)
+    check_report(self, schedules, n=len(report["raw"]["hosts"]),
+                 sizes_kb=sizes_kb)
+    self.assertEqual(schedules["link"], report["raw"]["link"])
+    for kb in sizes_kb:
+      self.assertRegex(chief_out, rf"{kb} KiB .* rule "
+                       f"{schedules['sizes'][str(kb)]['rule']['pick']} ")
+    for key in ("chosen_vs_best", "busbw_fraction"):
+      self.assertRegex(chief_out, rf"schedules {key} .* (met|NOT met)")
 
 
 def _figures(share: float, seconds: float, busy: float) -> dict:
@@ -275,6 +298,43 @@ class WhyNotTest(parameterized.TestCase):
               "raw": {"allreduce": {"sweep": {}}}}
     with self.assertRaisesRegex(report_lib.ReportError,
                                 "training_speedup_vs_raw is not met"):
+      hosts_lib.validate(report)
+
+
+def _drop_model(schedules: dict) -> None:
+  del schedules["sizes"]["4096"]["schedules"]["ring"]["model_s"]
+
+
+class ValidateSchedulesTest(parameterized.TestCase):
+  """`hosts.validate` checks the schedules' section's shape."""
+
+  def _report(self) -> dict:
+    seconds = {name: 4.0 for name in socket_ring.SCHEDULES}
+    schedules = schedules_lib.report(raw_figures(
+        seconds={**seconds, schedules_lib.RULE: 4.0}, pick="ring",
+        cpu_s=[0.1, 0.1]))
+    return {"headline": {k: 1.0 for k in hosts_lib.HEADLINE_KEYS},
+            "targets": {}, "raw": {"allreduce": {"sweep": {}},
+                                   "schedules": schedules}}
+
+  def test_a_whole_section_passes(self):
+    hosts_lib.validate(self._report())
+
+  @parameterized.named_parameters(
+      ("missing", dict.clear, "schedules.same_bits = None"),
+      ("unknown_pick",
+       lambda s: s["sizes"]["4096"]["rule"].update(pick="tree"),
+       "schedules.sizes.4096.rule.pick = 'tree'; expected one of"),
+      ("no_model", _drop_model,
+       "schedules.sizes.4096.ring.model_s = None; expected a positive"),
+      ("miss_without_why",
+       lambda s: s["targets"]["chosen_vs_best"].update(met=False),
+       "schedules.targets.chosen_vs_best is not met and has no why"),
+  )
+  def test_a_broken_section_is_refused(self, breaks, said):
+    report = self._report()
+    breaks(report["raw"]["schedules"])
+    with self.assertRaisesRegex(report_lib.ReportError, said):
       hosts_lib.validate(report)
 
 

@@ -197,8 +197,8 @@ class RelayTest(parameterized.TestCase):
           pass  # Closed either way: no link without its far end.
 
 
-def _raw(*, seconds: dict[str, float], pick: str, cpu_s: list[float],
-         digests_differ: bool = False) -> dict:
+def raw_figures(*, seconds: dict[str, float], pick: str, cpu_s: list[float],
+                digests_differ: bool = False) -> dict:
   """Rank 0's figures for 2 ranks at 4 MiB, one relay-less link of 1 MB/s
   and 10 us a hop."""
   digests = {name: ["a", "b" if digests_differ and name == "ring" else "a"]
@@ -230,7 +230,7 @@ class ReportTest(parameterized.TestCase):
       ("met", 4.0, [0.2, 0.1], True, []),
   )
   def test_busbw_target(self, rule_s, cpu_s, met, said):
-    out = schedules.report(_raw(seconds=self._seconds(4.0, rule_s),
+    out = schedules.report(raw_figures(seconds=self._seconds(4.0, rule_s),
                                 pick="ring", cpu_s=cpu_s))
     size = out["sizes"]["4096"]
     self.assertAlmostEqual(size["busbw_fraction"], 4 * 2**20 / rule_s / 1e6)
@@ -245,7 +245,7 @@ class ReportTest(parameterized.TestCase):
       self.assertNotIn("why", entry)
 
   def test_model_and_alpha_come_from_the_link(self):
-    out = schedules.report(_raw(seconds=self._seconds(4.0, 4.0),
+    out = schedules.report(raw_figures(seconds=self._seconds(4.0, 4.0),
                                 pick="ring", cpu_s=[0.1, 0.1]))
     self.assertEqual((out["alpha_s"], out["bytes_per_s"]), (1e-5, 1e6))
     ring = out["sizes"]["4096"]["schedules"]["ring"]
@@ -256,7 +256,7 @@ class ReportTest(parameterized.TestCase):
     self.assertNotIn("differing", out)
 
   def test_ranks_that_differ_are_named(self):
-    out = schedules.report(_raw(seconds=self._seconds(4.0, 4.0),
+    out = schedules.report(raw_figures(seconds=self._seconds(4.0, 4.0),
                                 pick="ring", cpu_s=[0.1, 0.1],
                                 digests_differ=True))
     self.assertFalse(out["same_bits"])

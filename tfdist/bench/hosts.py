@@ -17,7 +17,13 @@ In one run, on the same hosts and sockets' routes:
    (``S / t * 2 (n - 1) / n`` for S float32 bytes) over the link: the share
    of the link the all-reduce uses. With a 16-bit wire dtype the effective
    figure (float32 bytes reduced) can pass 1: up to 2;
-3. **training**: steps/s of ``wide_mlp`` (`tfdist.bench.models`, 33.6 MB of
+3. **schedules**: every schedule of the socket ring and its rule on numpy
+   buffers, float32 from 4 KiB to 64 MiB (``schedule_sizes_kb``; the quick
+   preset 4 KiB, 256 KiB and 4 MiB), beside the alpha-beta model's
+   time for each from the link's rate and hop latency above
+   (`tfdist.bench.schedules.sweep`, scored by its ``report``:
+   ``raw.schedules``): the rule's pick against the fastest schedule;
+4. **training**: steps/s of ``wide_mlp`` (`tfdist.bench.models`, 33.6 MB of
    gradients a step; ``--model`` picks another), hand-written
    MultiWorkerMirroredStrategy code (``raw``) against tfdist's Runner with the
    socket transport (``tfdist``), in alternating windows, and each worker
@@ -71,8 +77,10 @@ from tfdist.bench import projection
 from tfdist.bench import report as report_lib
 from tfdist.bench import runner
 from tfdist.bench import scaling
+from tfdist.bench import schedules as schedules_lib
 from tfdist.bench.report import Target
 from tfdist.errors import ConfigError
+from tfdist.ring import socket_ring
 from tfdist.strategy import timeline
 
 __all__ = ["HostsConfig", "HOSTS_QUICK", "HOSTS_FULL", "TARGETS", "run",
@@ -102,8 +110,10 @@ class HostsConfig:
       (`tfdist.strategy.timeline`): the backward pass and each bucket.
     bucket_bytes: tfdist's `GradientOptions.bucket_bytes`; its default
       when ``None``.
+    schedule_sizes_kb: float32 sizes of the schedules' sweep (KiB).
+    schedule_windows: its timing windows per size and schedule.
     timeout_s: bound on connecting and on any one socket operation of the
-      link measurement.
+      link measurement and of the schedules' rings.
   """
   quick: bool = False
   model: str = "wide_mlp"
@@ -119,6 +129,8 @@ class HostsConfig:
   warmup_steps: int = 2
   timeline_steps: int = 5
   bucket_bytes: int | None = None
+  schedule_sizes_kb: tuple[int, ...] = schedules_lib.SIZES_KB
+  schedule_windows: int = 5
   timeout_s: float = 120.0
 
 
@@ -127,7 +139,8 @@ HOSTS_QUICK = HostsConfig(quick=True, sizes_mb=(4,),
                                    "ring_bf16", "exchange"),
                           iterations=2, link_seconds=1.0, link_repeats=1,
                           train_steps=3, train_rounds=1, warmup_steps=1,
-                          timeline_steps=2)
+                          timeline_steps=2, schedule_sizes_kb=(4, 256, 4096),
+                          schedule_windows=2)
 HOSTS_FULL = HostsConfig()
 
 #: The targets across hosts, for ratios measured within one run.
@@ -183,15 +196,22 @@ def run(config: HostsConfig, *, json_path: str | None = None,
         expected="two or more workers, on different hosts",
         hint="Run it in every task of a multi-node tfdist launch or srun")
   rank, hosts, _ = transport.peers(strategy)
+  rendezvous = transport.CoordinationRendezvous()
   log(f"tfdist bench: link between {n} workers on {', '.join(hosts)} ...")
   link = link_lib.measure(
-      rank=rank, hosts=hosts, rendezvous=transport.CoordinationRendezvous(),
+      rank=rank, hosts=hosts, rendezvous=rendezvous,
       key="tfdist/bench/link", seconds=config.link_seconds,
       repeats=config.link_repeats, timeout_s=config.timeout_s)
   log("tfdist bench: all-reduce sweep ...")
   sweep = allreduce_lib.sweep(strategy, sizes_mb=config.sizes_mb,
                               methods=config.methods,
                               iterations=config.iterations)
+  log("tfdist bench: the ring's schedules against their model ...")
+  schedules = schedules_lib.sweep(
+      rank=rank, hosts=hosts, rendezvous=rendezvous,
+      key="tfdist/bench/schedules", link=link,
+      sizes_kb=config.schedule_sizes_kb, windows=config.schedule_windows,
+      timeout_s=config.timeout_s)
   log(f"tfdist bench: training {config.model} ...")
   buckets = ({} if config.bucket_bytes is None
              else {"bucket_bytes": config.bucket_bytes})
@@ -208,7 +228,8 @@ def run(config: HostsConfig, *, json_path: str | None = None,
   if not tfdist.is_chief(strategy):
     return None
   report = build(config=dataclasses.asdict(config), hosts=hosts, link=link,
-                 sweep=sweep, train=train[config.model],
+                 sweep=sweep, schedules=schedules_lib.report(schedules),
+                 train=train[config.model],
                  gradient_bytes=4 * models.MODELS[config.model].build()
                  .count_params(),
                  machine=runner.machine())
@@ -222,7 +243,8 @@ def run(config: HostsConfig, *, json_path: str | None = None,
 
 
 def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
-          train: dict, gradient_bytes: int, machine: dict) -> dict:
+          schedules: dict, train: dict, gradient_bytes: int, machine: dict
+          ) -> dict:
   """The report: headline ratios, targets met, and every raw figure.
 
   Args:
@@ -230,6 +252,7 @@ def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
     hosts: one per worker, by rank.
     link: `tfdist.bench.link.measure`'s result.
     sweep: `tfdist.bench.allreduce.sweep`'s result.
+    schedules: `tfdist.bench.schedules.report`'s result.
     train: ``{variant: {"samples_per_s": ..., "windows_s": [...]}}`` for
       ``raw``, ``tfdist`` and ``alone``.
     gradient_bytes: float32 bytes of the model's gradients a step.
@@ -296,7 +319,8 @@ def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
       "targets": targets,
       "raw": {"hosts": hosts, "workers": len(hosts), "link": link,
               "allreduce": {"sweep": sweep, "fraction_of_link": fractions},
-              "processor": processor, "training": training},
+              "schedules": schedules, "processor": processor,
+              "training": training},
       "config": config,
       "machine": machine,
   }
@@ -549,24 +573,48 @@ def validate(report: dict) -> None:
     ReportError: a key is missing or holds the wrong type.
   """
   for key, kind in HEADLINE_KEYS.items():
-    value = report.get("headline", {}).get(key)
-    if not isinstance(value, kind) or value != value or value <= 0:
-      raise report_lib.ReportError(
-          f"across-hosts report: headline.{key} = {value!r}; expected a "
-          f"positive {kind.__name__}")
-  for key, entry in report.get("targets", {}).items():
-    if not entry.get("met") and not (isinstance(entry.get("why"), str)
-                                     and entry["why"]):
-      raise report_lib.ReportError(
-          f"across-hosts report: targets.{key} is not met and has no why "
-          f"({entry.get('why')!r}); expected a line from this run's figures")
+    _expect(report.get("headline", {}).get(key), kind, f"headline.{key}")
+  schedules = report["raw"].get("schedules") or {}
+  for where, targets in (("targets", report.get("targets", {})),
+                         ("schedules.targets", schedules.get("targets", {}))):
+    for key, entry in targets.items():
+      _expect(entry.get("met"), bool, f"{where}.{key}.met")
+      if not entry["met"] and not (isinstance(entry.get("why"), str)
+                                   and entry["why"]):
+        raise report_lib.ReportError(
+            f"across-hosts report: {where}.{key} is not met and has no why "
+            f"({entry.get('why')!r}); expected a line from this run's "
+            "figures")
   for method, per_size in report["raw"]["allreduce"]["sweep"].items():
     for size, figures in per_size.items():
       for key in ("seconds", "algbw", "busbw"):
-        if not isinstance(figures.get(key), float):
-          raise report_lib.ReportError(
-              f"across-hosts report: sweep.{method}.{size}.{key} = "
-              f"{figures.get(key)!r}; expected a float")
+        _expect(figures.get(key), float, f"sweep.{method}.{size}.{key}")
+  _expect(schedules.get("same_bits"), bool, "schedules.same_bits")
+  if not schedules.get("sizes"):
+    raise report_lib.ReportError(
+        "across-hosts report: schedules.sizes is empty or missing; expected "
+        "the schedules' sweep (tfdist.bench.schedules.report)")
+  for kb, size in schedules["sizes"].items():
+    for name in socket_ring.SCHEDULES:
+      row = size["schedules"].get(name, {})
+      for key in ("measured_s", "model_s"):
+        _expect(row.get(key), float, f"schedules.sizes.{kb}.{name}.{key}")
+    _expect(size["chosen_vs_best"], float,
+            f"schedules.sizes.{kb}.chosen_vs_best")
+    if size["rule"]["pick"] not in socket_ring.SCHEDULES:
+      raise report_lib.ReportError(
+          f"across-hosts report: schedules.sizes.{kb}.rule.pick = "
+          f"{size['rule']['pick']!r}; expected one of "
+          f"{sorted(socket_ring.SCHEDULES)}")
+
+
+def _expect(value, kind: type, where: str) -> None:
+  """Refuses ``value`` at ``where`` unless it is a ``kind`` (a positive
+  number where ``kind`` is float)."""
+  if not isinstance(value, kind) or (kind is float and not value > 0):
+    raise report_lib.ReportError(
+        f"across-hosts report: {where} = {value!r}; expected a "
+        f"{'positive ' if kind is float else ''}{kind.__name__}")
 
 
 def format_table(report: dict) -> str:
@@ -606,6 +654,7 @@ def format_table(report: dict) -> str:
   speed = raw["training"]["steps_per_s"]
   lines.append(f"  {raw['training']['model']} steps/s: " + ", ".join(
       f"{v} {s:.2f}" for v, s in speed.items()))
+  lines += _schedules_lines(raw["schedules"])
   model = report.get("model_check")
   if model:
     lines.append(f"  model (alpha {model['latency_s'] * 1e6:.1f} us a "
@@ -623,6 +672,30 @@ def format_table(report: dict) -> str:
                    f"measured {step['measured_s'] * 1e3:.1f} ms: "
                    f"{step['measured_over_predicted']:.2f}")
   return "\n".join(lines)
+
+
+def _schedules_lines(schedules: dict) -> list[str]:
+  """Each size's schedules, measured / model (ms), the rule's pick and its
+  time over the fastest's; the sweep's targets."""
+  lines = [f"  schedules (numpy buffers; model from alpha "
+           f"{schedules['alpha_s'] * 1e6:.1f} us, B "
+           f"{schedules['bytes_per_s'] / 1e6:.0f} MB/s; same bits "
+           f"{schedules['same_bits']}): measured / model ms, by size:"]
+  for kb, size in sorted(schedules["sizes"].items(),
+                         key=lambda kv: int(kv[0])):
+    lines.append(f"    {kb:>6} KiB  " + "  ".join(
+        f"{name} {row['measured_s'] * 1e3:.3f}/{row['model_s'] * 1e3:.3f}"
+        for name, row in size["schedules"].items())
+        + f"  rule {size['rule']['pick']} {size['chosen_vs_best']:.2f}x "
+        "the fastest")
+  for key, t in schedules["targets"].items():
+    op = "<=" if key == "chosen_vs_best" else ">="
+    lines.append(f"  schedules {key:<26} {t['value']:7.3f}  target {op} "
+                 f"{t['target']:<4} {'met' if t['met'] else 'NOT met'} "
+                 f"(at {t['at_kb']} KiB)")
+    if "why" in t:
+      lines.append(f"    why: {t['why']}")
+  return lines
 
 
 def write_plot(reports: dict[str, dict], path: str) -> None:

@@ -24,7 +24,11 @@ per schedule of `tfdist.ring.socket_ring.SCHEDULES`, forced
    alternating windows (each window starting with the next ring) of the
    same repetitions on every rank; medians. Each rank's processor seconds
    (`os.times`, its relay's included) over the windows, and a hash of each
-   ring's result, go to rank 0 through the directory.
+   ring's result, go to rank 0 through the rendezvous.
+
+Steps 2 and 3 are `sweep`, one rank's part, given the link's figures and a
+rendezvous: `tfdist bench --across-hosts` (`tfdist.bench.hosts`) calls it in
+every task, with the link it measured and TensorFlow's coordination service.
 
 `report` sets each schedule's median beside the alpha-beta model's time
 (``SCHEDULES[name].seconds(n, nbytes, latency_s=alpha, bytes_per_s=B)``)
@@ -59,9 +63,10 @@ from tfdist.bench import link as link_lib
 from tfdist.bench import procs
 from tfdist.bench import relay as relay_lib
 from tfdist.ring import socket_ring
+from tfdist.ring.connection import Rendezvous
 
-__all__ = ["DirectoryRendezvous", "SIZES_KB", "RULE", "measure", "report",
-           "busbw_target", "main"]
+__all__ = ["DirectoryRendezvous", "SIZES_KB", "RULE", "measure", "sweep",
+           "report", "busbw_target", "main"]
 
 #: float32 buffer sizes swept by default: 4 KiB to 64 MiB, powers of 4.
 SIZES_KB = tuple(4 ** k for k in range(1, 9))
@@ -106,7 +111,7 @@ class _Relayed:
   of this rank's relay in front of it (`tfdist.ring.connection` publishes
   nothing else)."""
 
-  def __init__(self, inner: DirectoryRendezvous, relay, delay_s: float):
+  def __init__(self, inner: Rendezvous, relay, delay_s: float):
     self._inner, self._relay, self._delay_s = inner, relay, delay_s
 
   def publish(self, key: str, value: str) -> None:
@@ -291,29 +296,133 @@ def _cpu_s(relay: relay_lib.Relay | None) -> float:
   return t.user + t.system + (relay.cpu_s() if relay else 0.0)
 
 
-def _relay_hops(*, rank: int, hosts: list[str], rendezvous, relay,
-                delays: Sequence[float], timeout_s: float) -> list[float]:
+def _relay_hops(*, rank: int, hosts: list[str], rendezvous: Rendezvous,
+                key: str, relay: relay_lib.Relay, delays: Sequence[float],
+                timeout_s: float) -> list[float]:
   """Hop latencies round the ring through the relays, one per delay (rank
   0's; others' are ``None``)."""
   n = len(hosts)
   right, left = (rank + 1) % n, (rank - 1) % n
   hops = []
   for delay in delays:
-    key = f"relay-hop/{delay!r}"
+    at = f"{key}/{delay!r}"
     with socket.create_server(("", 0), family=socket.AF_INET6 if ":" in
                               hosts[rank] else socket.AF_INET) as server:
       server.settimeout(timeout_s)
-      rendezvous.publish(f"{key}/{rank}", str(relay.forward(
+      rendezvous.publish(f"{at}/{rank}", str(relay.forward(
           server.getsockname()[1], delay)))
-      port = int(rendezvous.lookup(f"{key}/{right}", timeout_s))
+      port = int(rendezvous.lookup(f"{at}/{right}", timeout_s))
       hops.append(link_lib.hop_latency(
           server=server, right=(hosts[right], port), rank=rank, left=left,
-          key=key, n=n, timeout_s=timeout_s))
+          key=at, n=n, timeout_s=timeout_s))
   return hops
 
 
+def sweep(*, rank: int, hosts: Sequence[str], rendezvous: Rendezvous,
+          key: str, link: dict, sizes_kb: Sequence[int], windows: int,
+          delay_s: float = 0.0, secret: bytes | str | None = None,
+          timeout_s: float = 600.0) -> dict | None:
+  """One rank's part of the sweep: every rank calls it at once.
+
+  Args:
+    rank: this rank's place, 0 to ``len(hosts) - 1``.
+    hosts: every rank's host or address, by rank.
+    rendezvous: where the rings, relays and results are exchanged.
+    key: a prefix no other use of ``rendezvous`` shares; the same on every
+      rank.
+    link: `tfdist.bench.link.measure`'s result between these ranks.
+    sizes_kb: float32 buffer sizes in KiB.
+    windows: timing windows per size and ring (alternating).
+    delay_s: with more than 0, every ring connection goes through a relay
+      holding each chunk this long one way (`tfdist.bench.relay`).
+    secret: the rings' secret, the same on every rank; the job's
+      (``TFDIST_JOB_SECRET``) when ``None``.
+    timeout_s: bound on connecting and on any one wait.
+
+  Returns:
+    On rank 0, the raw figures `report` takes; ``None`` elsewhere.
+  """
+  hosts = list(hosts)
+  relay, relayed, rings_rendezvous = None, None, rendezvous
+  if delay_s > 0:
+    relay = relay_lib.Relay(hosts[rank], timeout_s=timeout_s)
+    zero, held = _relay_hops(rank=rank, hosts=hosts, rendezvous=rendezvous,
+                             key=f"{key}/relay-hop", relay=relay,
+                             delays=(0.0, delay_s), timeout_s=timeout_s)
+    if rank == 0:
+      relayed = {"delay_s": delay_s, "hop_latency_s": held,
+                 "hop_latency_zero_s": zero,
+                 "added_latency_s": zero - link["hop_latency_s"]}
+    rings_rendezvous = _Relayed(rendezvous, relay, delay_s)
+  common = dict(rank=rank, hosts=hosts, rendezvous=rings_rendezvous,
+                secret=secret, connect_timeout_s=timeout_s,
+                timeout_s=timeout_s)
+  rings = {name: socket_ring.SocketRing(key=f"{key}/{name}", schedule=name,
+                                        **common)
+           for name in socket_ring.SCHEDULES}
+  rings[RULE] = socket_ring.SocketRing(key=f"{key}/{RULE}", **common)
+  try:
+    mine = {str(kb): _timed(rings, kb=kb, windows=windows,
+                            ranks=len(hosts), relay=relay,
+                            rng=np.random.default_rng(rank))
+            for kb in sizes_kb}
+    # A relay may still hold a peer's last bytes: nobody closes before
+    # every rank has its results.
+    rendezvous.publish(f"{key}/result/{rank}", json.dumps(mine))
+    ranks = [json.loads(rendezvous.lookup(f"{key}/result/{r}", timeout_s))
+             for r in range(len(hosts))]
+  finally:
+    for r in rings.values():
+      r.close()
+    if relay is not None:
+      relay.close()
+  if rank != 0:
+    return None
+  sizes = {kb: {"seconds": got["seconds"], "pick": got["pick"],
+                "cpu_s": [r[kb]["cpu_s"] for r in ranks],
+                "wall_s": [r[kb]["wall_s"] for r in ranks],
+                "digests": {name: [r[kb]["digests"][name] for r in ranks]
+                            for name in got["digests"]}}
+           for kb, got in mine.items()}
+  return {"ranks": len(hosts), "cores": len(os.sched_getaffinity(0)),
+          "link": link, "relay": relayed, "sizes": sizes}
+
+
+def _timed(rings: dict, *, kb: int, windows: int, ranks: int,
+           relay: relay_lib.Relay | None, rng: np.random.Generator) -> dict:
+  """One size: every ring's median time, the rule's pick, this rank's
+  processor and wall seconds, and a hash of each ring's result."""
+  x = rng.standard_normal(kb * 256, dtype=np.float32)
+  out = np.empty_like(x)
+  calls = {name: lambda r=r: r.all_reduce(x, out=out)
+           for name, r in rings.items()}
+  for call in calls.values():  # Connects, warms up.
+    call()
+  # The same repetitions on every rank (they call in step), from the
+  # rule's time summed over the ranks: the same bits everywhere.
+  probe = np.array([_time(calls[RULE], 1)], np.float32)
+  total = float(rings[RULE].all_reduce(probe)[0])
+  reps = int(max(1, min(1000, _WINDOW_S * ranks / max(total, 1e-6))))
+  times: dict[str, list[float]] = {name: [] for name in calls}
+  digests = {}
+  start, start_cpu = time.perf_counter(), _cpu_s(relay)
+  names = list(calls)
+  for window in range(windows):
+    # Each window starts with the next ring: none always follows the same
+    # one.
+    for name in names[window % len(names):] + names[:window % len(names)]:
+      times[name].append(_time(calls[name], reps))
+      if window == windows - 1:
+        digests[name] = hashlib.blake2b(out.data, digest_size=16).hexdigest()
+  return {"seconds": {k: statistics.median(t) for k, t in times.items()},
+          "pick": rings[RULE].schedule_for(kb << 10),
+          "cpu_s": _cpu_s(relay) - start_cpu,
+          "wall_s": time.perf_counter() - start, "digests": digests}
+
+
 def main(argv: list[str] | None = None) -> int:
-  """One process of a `measure` group; rank 0 prints the raw JSON."""
+  """One process of a `measure` group: the link, then `sweep`, joined
+  through a directory; rank 0 prints the raw JSON."""
   parser = argparse.ArgumentParser(prog="tfdist.bench.schedules")
   parser.add_argument("--rank", type=int, required=True)
   parser.add_argument("--hosts", required=True,
@@ -331,77 +440,12 @@ def main(argv: list[str] | None = None) -> int:
   link = link_lib.measure(rank=rank, hosts=hosts, rendezvous=directory,
                           key="link", seconds=args.link_seconds,
                           repeats=args.link_repeats, timeout_s=args.timeout_s)
-  relay, relayed, rendezvous = None, None, directory
-  if args.delay_s > 0:
-    relay = relay_lib.Relay(hosts[rank], timeout_s=args.timeout_s)
-    zero, held = _relay_hops(rank=rank, hosts=hosts, rendezvous=directory,
-                             relay=relay, delays=(0.0, args.delay_s),
-                             timeout_s=args.timeout_s)
-    if rank == 0:
-      relayed = {"delay_s": args.delay_s, "hop_latency_s": held,
-                 "hop_latency_zero_s": zero,
-                 "added_latency_s": zero - link["hop_latency_s"]}
-    rendezvous = _Relayed(directory, relay, args.delay_s)
-  common = dict(rank=rank, hosts=hosts, rendezvous=rendezvous,
-                secret="tfdist bench", connect_timeout_s=args.timeout_s,
-                timeout_s=args.timeout_s)
-  rings = {name: socket_ring.SocketRing(key=f"schedules/{name}",
-                                        schedule=name, **common)
-           for name in socket_ring.SCHEDULES}
-  rings[RULE] = socket_ring.SocketRing(key=f"schedules/{RULE}", **common)
-  rng = np.random.default_rng(rank)
-  mine = {}
-  try:
-    for kb in (int(s) for s in args.sizes_kb.split(",")):
-      x = rng.standard_normal(kb * 256, dtype=np.float32)
-      out = np.empty_like(x)
-      calls = {name: lambda r=r: r.all_reduce(x, out=out)
-               for name, r in rings.items()}
-      for call in calls.values():  # Connects, warms up.
-        call()
-      # The same repetitions on every rank (they call in step), from the
-      # rule's time summed over the ranks: the same bits everywhere.
-      probe = np.array([_time(calls[RULE], 1)], np.float32)
-      total = float(rings[RULE].all_reduce(probe)[0])
-      reps = int(max(1, min(1000, _WINDOW_S * len(hosts) / max(total, 1e-6))))
-      times: dict[str, list[float]] = {name: [] for name in calls}
-      digests = {}
-      start, start_cpu = time.perf_counter(), _cpu_s(relay)
-      names = list(calls)
-      for window in range(args.windows):
-        # Each window starts with the next ring: none always follows the
-        # same one.
-        for name in names[window % len(names):] + names[:window % len(names)]:
-          times[name].append(_time(calls[name], reps))
-          if window == args.windows - 1:
-            digests[name] = hashlib.blake2b(out.data,
-                                            digest_size=16).hexdigest()
-      mine[str(kb)] = {
-          "seconds": {k: statistics.median(t) for k, t in times.items()},
-          "pick": rings[RULE].schedule_for(kb << 10),
-          "cpu_s": _cpu_s(relay) - start_cpu,
-          "wall_s": time.perf_counter() - start, "digests": digests}
-    # A relay may still hold a peer's last bytes: nobody closes before
-    # every rank has its results.
-    directory.publish(f"result/{rank}", json.dumps(mine))
-    ranks = [json.loads(directory.lookup(f"result/{r}", args.timeout_s))
-             for r in range(len(hosts))]
-  finally:
-    for r in rings.values():
-      r.close()
-    if relay is not None:
-      relay.close()
-  if rank == 0:
-    sizes = {kb: {"seconds": got["seconds"], "pick": got["pick"],
-                  "cpu_s": [r[kb]["cpu_s"] for r in ranks],
-                  "wall_s": [r[kb]["wall_s"] for r in ranks],
-                  "digests": {name: [r[kb]["digests"][name] for r in ranks]
-                              for name in got["digests"]}}
-             for kb, got in mine.items()}
-    print(json.dumps({"ranks": len(hosts),
-                      "cores": len(os.sched_getaffinity(0)),
-                      "link": link, "relay": relayed, "sizes": sizes}),
-          flush=True)
+  raw = sweep(rank=rank, hosts=hosts, rendezvous=directory, key="schedules",
+              link=link, sizes_kb=[int(s) for s in args.sizes_kb.split(",")],
+              windows=args.windows, delay_s=args.delay_s,
+              secret="tfdist bench", timeout_s=args.timeout_s)
+  if raw is not None:
+    print(json.dumps(raw), flush=True)
   return 0
 
 
