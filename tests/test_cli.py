@@ -349,6 +349,26 @@ class HelpTest(parameterized.TestCase):
     self.assertEqual(heavy, [])
 
 
+  @parameterized.named_parameters(
+      # A default of 0 is said too (0 == False hid it).
+      ("max_restarts", "--max-restarts K", "(default 0)"),
+      ("node_rank", "--node-rank R", "(default 0)"),
+      ("stall_seconds", "--stall-seconds S", "0: no stall watch (default 0)"),
+      ("grace_seconds", "--grace-seconds S", "(default 10)"),
+      ("last_call_seconds", "--last-call-seconds S", "(default 10)"),
+  )
+  def test_launch_help_names_each_default(self, flag, said):
+    r = subprocess.run([sys.executable, "-m", "tfdist", "launch", "--help"],
+                       env={**cluster_utils.base_env(), "COLUMNS": "80"},
+                       capture_output=True, text=True, timeout=60,
+                       cwd=cluster_utils.REPO)
+    self.assertEqual(r.returncode, 0, r.stderr)
+    text = " ".join(r.stdout.split())
+    entry = text[text.index(flag, text.index("options:")):]
+    entry = entry[:entry.index(" --", len(flag))]
+    self.assertTrue(entry.endswith(said), entry)
+
+
 @pytest.mark.beside
 class VersionTest(absltest.TestCase):
 

@@ -33,13 +33,14 @@ def add_flags(parser: argparse.ArgumentParser, flags: FlagTable, *,
     parser: the subcommand's parser.
     flags: its flag table.
     defaults: the config's defaults, named in the help where they say
-      something (not ``None`` or ``False``).
+      something (not ``None`` or ``False``; 0 does).
   """
   for field, (flag, options) in flags.items():
     options = dict(options)
     default = (defaults or {}).get(field)
-    if options.get("help") and default not in (None, False):
-      options["help"] += f" (default {default})"
+    if options.get("help") and default is not None and default is not False:
+      shown = f"{default:g}" if isinstance(default, float) else default
+      options["help"] += f" (default {shown})"
     parser.add_argument(flag, dest=field, default=argparse.SUPPRESS, **options)
 
 

@@ -91,8 +91,8 @@ _FLAGS: _args.FlagTable = {
         help="print the stall report (each task's step, its last collective, "
              "who is behind, the line each one is on) when a task saw no "
              "step for S seconds; it is printed anyway on a collective's "
-             "timeout, a lost peer, or SIGUSR2 (kill -USR2 LAUNCHER_PID). "
-             "Default 0: no stall watch")),
+             "timeout, a lost peer, or SIGUSR2 (kill -USR2 LAUNCHER_PID); "
+             "0: no stall watch")),
     "gpus_per_task": ("--gpus-per-task", dict(
         type=int, metavar="K",
         help="GPUs for each chief, worker and evaluator task of this node "
