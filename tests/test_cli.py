@@ -358,10 +358,7 @@ class HelpTest(parameterized.TestCase):
       ("last_call_seconds", "--last-call-seconds S", "(default 10)"),
   )
   def test_launch_help_names_each_default(self, flag, said):
-    r = subprocess.run([sys.executable, "-m", "tfdist", "launch", "--help"],
-                       env={**cluster_utils.base_env(), "COLUMNS": "80"},
-                       capture_output=True, text=True, timeout=60,
-                       cwd=cluster_utils.REPO)
+    r = _tfdist("launch", "--help", env={"COLUMNS": "80"})
     self.assertEqual(r.returncode, 0, r.stderr)
     text = " ".join(r.stdout.split())
     entry = text[text.index(flag, text.index("options:")):]
