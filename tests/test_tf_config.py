@@ -385,6 +385,18 @@ class ParseMalformedTest(parameterized.TestCase):
     again = pickle.loads(pickle.dumps(cm.exception))
     self.assertEqual(str(again), str(cm.exception))
 
+  @parameterized.named_parameters(("missing", {}, _MISSING),
+                                  ("none", {"value": None}, "None"))
+  def test_a_missing_value_stays_missing(self, given, said):
+    # Through pickling and restated under a flag's name, as the CLI does.
+    error = ConfigError(field="master_addr", expected="an address",
+                        source="the API", **given)
+    for again in (pickle.loads(pickle.dumps(error)),
+                  error.restated(field="--master-addr", source="the CLI")):
+      self.assertIn(f"received {said};", str(again))
+      self.assertEqual(again.missing, not given)
+      self.assertIsNone(again.value)
+
   def test_duplicate_address_names_first_use(self):
     with self.assertRaisesRegex(ConfigError, r"already used by cluster\.chief"
                                 r"\[0\]"):

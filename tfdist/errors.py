@@ -67,6 +67,7 @@ class ConfigError(TfdistError, ValueError):
   Attributes:
     field: the name of the offending field, e.g. ``"task.index"``.
     value: the value received (``None`` when it was missing).
+    missing: no value was given at all (the message says "nothing").
     expected: what would have been accepted.
     source: where the value came from, e.g. ``"TF_CONFIG from the environment"``.
     hint: an optional sentence on how to fix it.
@@ -75,7 +76,8 @@ class ConfigError(TfdistError, ValueError):
   def __init__(self, *, field: str, value: Any = _MISSING, expected: str,
                source: str, hint: str | None = None):
     self.field = field
-    self.value = None if value is _MISSING else value
+    self.missing = value is _MISSING
+    self.value = None if self.missing else value
     self.expected = expected
     self.source = source
     self.hint = hint
@@ -85,14 +87,23 @@ class ConfigError(TfdistError, ValueError):
       message += f". {hint}"
     super().__init__(message)
 
+  def restated(self, *, field: str, source: str) -> "ConfigError":
+    """The same error under another field name and source, e.g. a config
+    field restated as the flag that sets it."""
+    return _rebuild_config_error(field, self.value, self.expected, source,
+                                 self.hint, self.missing)
+
   def __reduce__(self):  # Keeps the error picklable across processes.
     return (_rebuild_config_error,
-            (self.field, self.value, self.expected, self.source, self.hint))
+            (self.field, self.value, self.expected, self.source, self.hint,
+             self.missing))
 
 
-def _rebuild_config_error(field, value, expected, source, hint):
-  return ConfigError(field=field, value=value, expected=expected,
-                     source=source, hint=hint)
+def _rebuild_config_error(field, value, expected, source, hint,
+                          missing=False):
+  given = {} if missing else {"value": value}
+  return ConfigError(field=field, expected=expected, source=source, hint=hint,
+                     **given)
 
 
 class TpuUnavailableError(TfdistError, RuntimeError):

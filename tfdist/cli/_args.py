@@ -108,6 +108,5 @@ def config_errors(*, source: str,
   try:
     yield
   except ConfigError as e:
-    raise ConfigError(field=(renamed or {}).get(e.field, e.field),
-                      value=e.value, expected=e.expected, source=source,
-                      hint=e.hint) from None
+    raise e.restated(field=(renamed or {}).get(e.field, e.field),
+                     source=source) from None

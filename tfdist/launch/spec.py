@@ -188,7 +188,7 @@ class LaunchSpec:
       if self.master_addr is None or self.master_port is None:
         raise ConfigError(
             field="master_addr" if self.master_addr is None else "master_port",
-            value=None, source=_SOURCE,
+            source=_SOURCE,
             expected=f"node 0's address and port for a job of "
                      f"{self.nnodes} nodes",
             hint="Give every node the same master address and port")
