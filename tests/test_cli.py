@@ -302,7 +302,7 @@ class ErrorContractTest(parameterized.TestCase):
       ("slurm_nodes_huge", ["slurm", "--nodes", "1000000000000", "--",
                             "python", "t.py"], {}, "nodes"),
       ("slurm_job_name_newline", ["slurm", "--job-name", "x\n", "--",
-                                  "python", "t.py"], {}, "job_name"),
+                                  "python", "t.py"], {}, "--job-name"),
       ("slurm_partition_newline", ["slurm", "--partition", "x\n", "--",
                                    "python", "t.py"], {}, "partition"),
   )

@@ -325,13 +325,13 @@ class SlurmCliTest(parameterized.TestCase):
       ("bad_time", ["--time", "soon"], "time"),
       ("roles_do_not_add_up", ["--roles", "chief=1,ps=1,worker=2"], "roles"),
       ("signal_longer_than_time", ["--time", "10", "--signal-seconds",
-                                   "900"], "signal_seconds"),
+                                   "900"], "--signal-seconds"),
       ("unknown_option", ["--gpus", "2"], "--gpus"),
       ("program_without_dashes", ["python", "t.py"], "python t.py"),
       ("output_dir_missing", ["-o", "/nonexistent-dir/x.sbatch"], "--output"),
-      ("requeue_from_unknown", ["--requeue-from", "shell"], "requeue_from"),
+      ("requeue_from_unknown", ["--requeue-from", "shell"], "--requeue-from"),
       ("requeue_from_task_without_requeue",
-       ["--requeue-from", "task", "--no-requeue"], "requeue_from"),
+       ["--requeue-from", "task", "--no-requeue"], "--requeue-from"),
   )
   def test_bad_flags_exit_2_with_one_line_and_write_nothing(self, argv, word):
     directory = _tempdir(self)

@@ -72,7 +72,7 @@ def build_spec(args: argparse.Namespace) -> sbatch.SbatchSpec:
   Raises:
     ConfigError: the arguments make an invalid spec.
   """
-  with _args.config_errors(source=_SOURCE):
+  with _args.config_errors(source=_SOURCE, renamed=_args.spellings(_FLAGS)):
     base = sbatch.PRESETS[args.preset] if args.preset else sbatch.SbatchSpec()
     changes = _args.given(args, _FLAGS)
     command = _args.command(args, source=_SOURCE, example=_EXAMPLE)
