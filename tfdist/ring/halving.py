@@ -48,8 +48,6 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-import numpy as np
-
 from tfdist.ring import pieces
 from tfdist.ring.schedule import Span
 from tfdist.ring.schedule import blocks
@@ -187,14 +185,7 @@ def _moves(ring, x: pieces.Pieces, out: pieces.Pieces):
       if step.add:
         part = received[lo - rlo:hi - rlo]
         recvs.append((as_bytes(part), functools.partial(
-            _add, part, src.views(lo, hi), out.views(lo, hi)), -1))
+            pieces.add, part, src.views(lo, hi), out.views(lo, hi)), -1))
       else:
         recvs.extend((as_bytes(v), None, -1) for _, v in out.views(lo, hi))
     yield step.partner, sends, recvs
-
-
-def _add(part: np.ndarray, srcs: list[tuple[int, np.ndarray]],
-         outs: list[tuple[int, np.ndarray]]) -> None:
-  """``outs = srcs + part``, view by view (offsets from the block's start)."""
-  for (at, s), (_, o) in zip(srcs, outs):
-    np.add(s, part[at:at + s.size], out=o)

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Pieces"]
+__all__ = ["Pieces", "add"]
 
 
 class Pieces:
@@ -61,3 +61,12 @@ class Pieces:
         at = stop
       i += 1
     return found
+
+
+def add(values: np.ndarray, xs: list[tuple[int, np.ndarray]],
+        outs: list[tuple[int, np.ndarray]]) -> None:
+  """``outs = xs + values``, view by view: ``xs`` and ``outs`` are the same
+  span's `Pieces.views` (offsets from the span's start), ``values`` the
+  span's received values; ``outs`` may be ``xs``."""
+  for (at, x), (_, o) in zip(xs, outs):
+    np.add(x, values[at:at + x.size], out=o)

@@ -166,13 +166,11 @@ def _moves(ring, x: pieces.Pieces, out: pieces.Pieces, wire: str):
         sends.extend(lambda v=v: as_bytes(v) for _, v in src.views(lo, hi))
     for lo, hi in blocks(step.recv, block):
       part = recv_buf[lo - rlo:hi - rlo]
-      pairs = [(at, xv, ov) for (at, xv), (_, ov)
-               in zip(x.views(lo, hi), out.views(lo, hi))]
 
-      def add(part=part, pairs=pairs, size=hi - lo):
+      def add(part=part, xs=x.views(lo, hi), outs=out.views(lo, hi),
+              size=hi - lo):
         values = decode(part, widened[:size]) if compressed else part
-        for at, xv, ov in pairs:
-          np.add(xv, values[at:at + xv.size], out=ov)
+        pieces.add(values, xs, outs)
 
       recvs.append((as_bytes(part), add, -1))
     yield sends, recvs

@@ -101,9 +101,9 @@ DEFAULT_BLOCK_BYTES = 512 << 10
 #: The schedules by name, a module each with ``NAME``, ``WIRES`` (the wire
 #: dtypes it carries), ``seconds(size, nbytes, *, latency_s, bytes_per_s)``
 #: (its alpha-beta model), ``CAP_BYTES`` (float32 bytes above which
-#: `choose` never picks it; ``None``: no cap) and ``all_reduce(ring, x, out, wire,
-#: tag)``, run under the ring's lock. The ring, last, takes every call the
-#: others do not.
+#: `choose` never picks it; ``None``: no cap) and ``all_reduce(ring, x,
+#: out, wire, tag)``, run under the ring's lock. The ring, last, takes every
+#: call the others do not.
 SCHEDULES = {m.NAME: m for m in (doubling, halving, ring_schedule)}
 
 #: The link `choose` assumes by default: the slowest tfdist is measured on
