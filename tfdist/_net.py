@@ -17,7 +17,8 @@ import threading
 import time
 from typing import Mapping
 
-__all__ = ["JOB_SECRET_VARIABLE", "job_secret", "free_ports", "port_problem",
+__all__ = ["JOB_SECRET_VARIABLE", "job_secret", "family", "free_ports",
+           "port_problem",
            "lookup", "LOOKUP_TIMEOUT_SECONDS", "reachable", "grpc_answers",
            "is_local",
            "is_loopback", "split_address", "child_env", "cluster_tf_configs",
@@ -41,17 +42,22 @@ def job_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
   return value.encode() if value else None
 
 
+def family(host: str) -> socket.AddressFamily:
+  """The socket family of an address: IPv6 if it has a colon (brackets or
+  not), else IPv4."""
+  return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
   """``n`` distinct ports free on ``host`` a moment ago.
 
   The sockets are held open together so the ports differ; another process
   can still take one before it is used, which callers report clearly.
   """
-  family = socket.AF_INET6 if ":" in host else socket.AF_INET
   socks = []
   try:
     for _ in range(n):
-      s = socket.socket(family)
+      s = socket.socket(family(host))
       s.bind((host, 0))
       socks.append(s)
     return [s.getsockname()[1] for s in socks]
@@ -80,8 +86,7 @@ def port_problem(host: str, port: int) -> str | None:
     A sentence saying why, or ``None``.
   """
   if not port:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    with socket.socket(family(host), socket.SOCK_STREAM) as s:
       try:
         s.bind((host, 0))
       except OSError as e:
@@ -89,20 +94,20 @@ def port_problem(host: str, port: int) -> str | None:
     return None
   if port in _listening_ports():
     return f"another process listens on port {port}"
-  for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+  for any_address in ("::", "0.0.0.0"):
     try:
-      s = socket.socket(family, socket.SOCK_STREAM)
+      s = socket.socket(family(any_address), socket.SOCK_STREAM)
     except OSError:
       continue  # No IPv6 here: TensorFlow falls back to IPv4 too.
     with s:
       s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
       try:
-        s.bind((address, port))
+        s.bind((any_address, port))
         return None
       except OSError as e:
         if e.errno == errno.EADDRINUSE:
           return f"port {port} is in use"
-        if family == socket.AF_INET6:
+        if any_address == "::":
           continue
         return e.strerror or str(e)
   return None
@@ -254,8 +259,7 @@ def is_local(host: str) -> bool:
     return True
   addresses, _ = lookup(host)
   for address in addresses:
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
+    with socket.socket(family(address), socket.SOCK_DGRAM) as s:
       try:
         s.bind((address, 0))
         return True

@@ -39,7 +39,7 @@ from tfdist import _net
 from tfdist.errors import StartupTimeoutError
 from tfdist.ring.connection import Rendezvous
 
-__all__ = ["measure", "stream_rates", "hop_latency"]
+__all__ = ["measure", "stream_rates", "hop_latency", "listener"]
 
 _CHUNK = 4 << 20  # Bytes per sendall / recv_into.
 _HELLO = struct.Struct("!64sI")  # The measurement's key, the sender's rank.
@@ -77,7 +77,7 @@ def measure(*, rank: int, hosts: list[str], rendezvous: Rendezvous, key: str,
   """
   n = len(hosts)
   right, left = (rank + 1) % n, (rank - 1) % n
-  with _listener(hosts[rank], timeout_s) as server:
+  with listener(hosts[rank], timeout_s) as server:
     rendezvous.publish(f"{key}/address/{rank}",
                        f"{hosts[rank]}:{server.getsockname()[1]}")
     try:
@@ -171,9 +171,10 @@ def hop_latency(*, server: socket.socket, right: tuple[str, int], rank: int,
   return statistics.median(times) / n if rank == 0 else None
 
 
-def _listener(host: str, timeout_s: float) -> socket.socket:
-  family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-  server = socket.create_server(("", 0), family=family, backlog=8)
+def listener(host: str, timeout_s: float) -> socket.socket:
+  """A socket listening on every address of ``host``'s family, on a port
+  the system picks, its waits bounded by ``timeout_s``."""
+  server = socket.create_server(("", 0), family=_net.family(host), backlog=8)
   server.settimeout(timeout_s)
   return server
 

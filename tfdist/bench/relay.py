@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 
+from tfdist import _net
 from tfdist.bench import procs
 
 __all__ = ["Relay", "main"]
@@ -200,7 +201,8 @@ class _Loop:
       return False
     port, delay_s = line.split()
     listener = socket.create_server((self._host, 0),
-                                    family=_family(self._host), backlog=64)
+                                    family=_net.family(self._host),
+                                    backlog=64)
     listener.setblocking(False)
     self._listeners[listener] = (int(port), float(delay_s))
     self._selector.register(listener, selectors.EVENT_READ)
@@ -265,10 +267,6 @@ class _Loop:
       if self._ends.pop(sock, None) is not None:
         self._watch(sock, 0)
         sock.close()
-
-
-def _family(host: str) -> int:
-  return socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,6 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -306,9 +305,7 @@ def _relay_hops(*, rank: int, hosts: list[str], rendezvous: Rendezvous,
   hops = []
   for delay in delays:
     at = f"{key}/{delay!r}"
-    with socket.create_server(("", 0), family=socket.AF_INET6 if ":" in
-                              hosts[rank] else socket.AF_INET) as server:
-      server.settimeout(timeout_s)
+    with link_lib.listener(hosts[rank], timeout_s) as server:
       rendezvous.publish(f"{at}/{rank}", str(relay.forward(
           server.getsockname()[1], delay)))
       port = int(rendezvous.lookup(f"{at}/{right}", timeout_s))

@@ -69,6 +69,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from tfdist import _net
 from tfdist import _secret
 from tfdist.launch import fingerprint
 from tfdist.launch.rounds import Outbox
@@ -229,8 +230,8 @@ class Master:
     self._threads: list[threading.Thread] = []
     self._beaten = 0.0  # When the last heartbeat went out.
     self._closed = threading.Event()
-    family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-    self._listener = socket.socket(family, socket.SOCK_STREAM)
+    self._listener = socket.socket(_net.family(address[0]),
+                                   socket.SOCK_STREAM)
     self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
       self._listener.bind(address)
