@@ -50,7 +50,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 import statistics
 from typing import Callable, Mapping, Sequence
 
@@ -212,17 +212,23 @@ class Step:
 def step(workload: Workload, *, p: int, link: Link, schedule: str = "tfdist",
          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Step:
   """``workload``'s step on ``p`` hosts, each bucket by ``schedule``."""
-  def allreduce(size: float) -> float:
-    return allreduce_seconds(schedule, p, size, link)
+  return _step(compute_s=workload.compute_s,
+               backward_s=workload.compute_s * workload.backward_share,
+               bucket_bytes=_buckets(workload.gradient_bytes, bucket_bytes),
+               allreduce=functools.partial(allreduce_seconds, schedule, p,
+                                           link=link))
 
-  buckets = _buckets(workload.gradient_bytes, bucket_bytes)
-  backward = workload.compute_s * workload.backward_share
-  total = workload.compute_s - backward + overlapped_seconds(
-      backward_s=backward, bucket_bytes=buckets, allreduce=allreduce)
-  return Step(allreduce_s=sum(map(allreduce, buckets)), step_s=total,
-              serial_s=workload.compute_s + allreduce(
-                  workload.gradient_bytes),
-              steps_per_s=1 / total, efficiency=workload.compute_s / total)
+
+def _step(*, compute_s: float, backward_s: float,
+          bucket_bytes: Sequence[float],
+          allreduce: Callable[[float], float]) -> Step:
+  """The step of ``compute_s`` whose buckets cross during its backward pass
+  (`overlapped_seconds`), and without overlap."""
+  total = compute_s - backward_s + overlapped_seconds(
+      backward_s=backward_s, bucket_bytes=bucket_bytes, allreduce=allreduce)
+  return Step(allreduce_s=sum(map(allreduce, bucket_bytes)), step_s=total,
+              serial_s=compute_s + allreduce(sum(bucket_bytes)),
+              steps_per_s=1 / total, efficiency=compute_s / total)
 
 
 def project(*, workloads: Sequence[Workload] = (WIDE_MLP, CNN),
@@ -311,21 +317,17 @@ def check_training(*, training: Mapping, link: Link, p: int) -> dict | None:
   steps = training.get("timeline")
   if not steps:
     return None
-  compute = 1 / training["steps_per_s"]["alone"]
   backward = statistics.median(s["backward_s"][1] - s["backward_s"][0]
                                for s in steps)
   buckets = [b["bytes"] for b in steps[0]["buckets"]]
-
-  def allreduce(size: float) -> float:
-    return allreduce_seconds("tfdist", p, size, link)
-
-  predicted = compute - backward + overlapped_seconds(
-      backward_s=backward, bucket_bytes=buckets, allreduce=allreduce)
+  predicted = _step(
+      compute_s=1 / training["steps_per_s"]["alone"], backward_s=backward,
+      bucket_bytes=buckets, allreduce=functools.partial(
+          allreduce_seconds, "tfdist", p, link=link))
   measured = 1 / training["steps_per_s"]["tfdist"]
-  return {"predicted_s": predicted,
-          "serial_s": compute + allreduce(sum(buckets)),
+  return {"predicted_s": predicted.step_s, "serial_s": predicted.serial_s,
           "measured_s": measured,
-          "measured_over_predicted": measured / predicted,
+          "measured_over_predicted": measured / predicted.step_s,
           "backward_s": backward, "bucket_bytes": buckets}
 
 
