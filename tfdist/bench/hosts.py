@@ -689,9 +689,9 @@ def _schedules_lines(schedules: dict) -> list[str]:
         + f"  rule {size['rule']['pick']} {size['chosen_vs_best']:.2f}x "
         "the fastest")
   for key, t in schedules["targets"].items():
-    op = "<=" if key == "chosen_vs_best" else ">="
-    lines.append(f"  schedules {key:<26} {t['value']:7.3f}  target {op} "
-                 f"{t['target']:<4} {'met' if t['met'] else 'NOT met'} "
+    goal = schedules_lib.target(key, schedules["ranks"])
+    lines.append(f"  schedules {key:<26} {t['value']:7.3f}  target "
+                 f"{goal.text:<7} {'met' if t['met'] else 'NOT met'} "
                  f"(at {t['at_kb']} KiB)")
     if "why" in t:
       lines.append(f"    why: {t['why']}")
@@ -705,10 +705,8 @@ def write_plot(reports: dict[str, dict], path: str) -> None:
     reports: label -> across-hosts report.
     path: the PNG to write (needs matplotlib).
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   from tfdist.bench import plot  # pylint: disable=g-import-not-at-top
+  plt = plot.pyplot()
   rows = 1 + any(r["raw"]["training"].get("timeline") for r in reports.values())
   fig, axes = plt.subplots(rows, len(reports),
                            figsize=(5.5 * len(reports), 4.2 * rows),

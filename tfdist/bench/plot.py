@@ -5,7 +5,7 @@ the all-reduce schedules' times against their model by host count."""
 from __future__ import annotations
 
 __all__ = ["write_plot", "write_projection_plot", "write_schedules_plot",
-           "METHOD_LABELS"]
+           "pyplot", "METHOD_LABELS"]
 
 
 _LINES = {"raw": "--", "tfdist": "-", "alone": ":"}
@@ -27,11 +27,18 @@ METHOD_LABELS = {
 }
 
 
+def pyplot():
+  """matplotlib's pyplot, drawing to files only (no display); imported at
+  the first plot, so the bench runs without matplotlib until then."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
 def write_plot(report: dict, path: str) -> None:
   """Writes a two-panel PNG of ``report`` to ``path`` (needs matplotlib)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")  # No display: files only.
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
   scaling = report["raw"]["scaling"]
   sweep = report["raw"]["allreduce"]["sweep"]
   loopback = report["raw"]["allreduce"]["loopback_bytes_per_s"]
@@ -73,9 +80,7 @@ def write_projection_plot(table: dict, path: str) -> None:
   against the number of hosts, a colour per link rate, the ring solid and
   the socket ring's pick (``tfdist``) dashed (needs matplotlib).
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")  # No display: files only.
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
   workloads = table["steps"]
   fig, axes = plt.subplots(1, len(workloads),
                            figsize=(5.5 * len(workloads), 4.2), squeeze=False)
@@ -104,9 +109,7 @@ def write_schedules_plot(reports: dict[str, dict], path: str) -> None:
   solid, its model's dashed in the same colour, the rule's pick as black
   crosses (needs matplotlib).
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")  # No display: files only.
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pyplot()
   columns = sorted({r["ranks"] for r in reports.values()})
   rows = sorted({(r["bed"]["rate"], r["bed"]["delay_us"])
                  for r in reports.values()})

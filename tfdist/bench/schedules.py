@@ -61,11 +61,12 @@ import numpy as np
 from tfdist.bench import link as link_lib
 from tfdist.bench import procs
 from tfdist.bench import relay as relay_lib
+from tfdist.bench.report import Target
 from tfdist.ring import socket_ring
 from tfdist.ring.connection import Rendezvous
 
 __all__ = ["DirectoryRendezvous", "SIZES_KB", "RULE", "measure", "sweep",
-           "report", "busbw_target", "main"]
+           "report", "busbw_target", "target", "main"]
 
 #: float32 buffer sizes swept by default: 4 KiB to 64 MiB, powers of 4.
 SIZES_KB = tuple(4 ** k for k in range(1, 9))
@@ -119,6 +120,14 @@ class _Relayed:
 
   def lookup(self, key: str, timeout_s: float) -> str:
     return self._inner.lookup(key, timeout_s)
+
+
+def target(key: str, ranks: int) -> Target:
+  """The sweep's target ``key`` (``chosen_vs_best`` or ``busbw_fraction``)
+  for ``ranks`` ranks."""
+  if key == "chosen_vs_best":
+    return Target(key=key, bound=CHOSEN_TARGET, higher_is_better=False)
+  return Target(key=key, bound=busbw_target(ranks))
 
 
 def busbw_target(ranks: int) -> float:
@@ -243,20 +252,21 @@ def _targets(out: dict) -> dict:
   targets = {}
   worst = max(sizes, key=lambda kb: sizes[kb]["chosen_vs_best"])
   targets["chosen_vs_best"] = _scored(
-      out, worst, sizes[worst]["chosen_vs_best"], CHOSEN_TARGET, at_most=True)
+      out, worst, sizes[worst]["chosen_vs_best"],
+      target("chosen_vs_best", out["ranks"]))
   large = [kb for kb in sizes if int(kb) >= BUSBW_FROM_KB]
   if large:
     low = min(large, key=lambda kb: sizes[kb]["busbw_fraction"])
     targets["busbw_fraction"] = _scored(
-        out, low, sizes[low]["busbw_fraction"], busbw_target(out["ranks"]),
-        at_most=False)
+        out, low, sizes[low]["busbw_fraction"],
+        target("busbw_fraction", out["ranks"]))
   return targets
 
 
-def _scored(out: dict, kb: str, value: float, target: float, *,
-            at_most: bool) -> dict:
-  met = value <= target if at_most else value >= target
-  entry = {"value": value, "target": target, "met": met, "at_kb": int(kb)}
+def _scored(out: dict, kb: str, value: float, goal: Target) -> dict:
+  met = goal.met(value)
+  entry = {"value": value, "target": goal.bound, "met": met,
+           "at_kb": int(kb)}
   if not met:
     entry["why"] = _why(out, kb)
   return entry
