@@ -348,7 +348,6 @@ class HelpTest(parameterized.TestCase):
              if m.split(".")[0] in ("tensorflow", "keras", "numpy")]
     self.assertEqual(heavy, [])
 
-
   @parameterized.named_parameters(
       # A default of 0 is said too (0 == False hid it).
       ("max_restarts", "--max-restarts K", "(default 0)"),
