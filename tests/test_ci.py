@@ -1,8 +1,11 @@
 """.ci/run runs the README's test command, which installs the TensorFlow
 and Keras that README's "Tested versions" names (constraints.txt)."""
 
+import configparser
 import os
 import re
+import subprocess
+import sys
 
 from absl.testing import absltest
 import pytest
@@ -45,6 +48,28 @@ class CiTest(absltest.TestCase):
     for name, version in pins.items():
       self.assertIn(f"{name} {version},", first)
       self.assertIn(f"| {version} |", tested)  # The whole suite's row.
+
+
+  def test_the_pythons_claimed_are_the_pythons_tested(self):
+    setup = configparser.ConfigParser()
+    setup.read(os.path.join(ROOT, "setup.cfg"))
+    floor = setup["options"]["python_requires"]
+    self.assertRegex(floor, r"^>=3\.\d+$")
+    floor = floor[2:]
+    tested = _read("README.md").split("## Tested versions", 1)[1]
+    self.assertTrue(tested.split("\n\n")[1].startswith(f"Python {floor},"))
+    self.assertIn(f"Python {floor} or newer", _read("README.md"))
+    self.assertEqual(re.findall(r"Python :: (3\.\d+)",
+                                setup["metadata"]["classifiers"]), [floor])
+    self.assertGreaterEqual(sys.version_info[:2],
+                            tuple(map(int, floor.split("."))))
+    # vermin reads every file for the first Python each feature needs.
+    run = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "vermin"), "--no-tips", "--violations",
+         "--no-parse-comments", f"-t={floor}-", "tfdist", "tests",
+         "examples"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+    self.assertIn("Analyzing", run.stdout)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,9 @@ adds nothing); one test runs them in two hosts of the network-namespace test
 bed, with real addresses and a real all-reduce between them.
 """
 
-import hashlib
 import importlib.metadata
 import json
 import os
-import platform
 import socket
 import re
 import shutil
@@ -337,7 +335,8 @@ class NodeMatchTest(parameterized.TestCase):
       ours, theirs = importlib.metadata.version("keras"), OTHER_KERAS
     elif what == "launched":
       other = {"launched": {1: self._edited_script()}}
-      ours, theirs = (_sha256(p)[:12] for p in (TASK, other["launched"][1][1]))
+      ours, theirs = (fingerprint.take([sys.executable, p])["script"]
+                      ["sha256"][:12] for p in (TASK, other["launched"][1][1]))
     else:
       flags = what
     # Node 0 runs 10 s or more: node 1 is in well before it ends.
@@ -369,56 +368,6 @@ class NodeMatchTest(parameterized.TestCase):
         "tfdist: rendezvous: warning: node 1 runs the same script with other "
         "arguments: argv[3] is '/data/on/node1' on node 1, missing on node 0 "
         "(fine for per-node paths)"], []], outs)
-
-
-def _sha256(path):
-  with open(path, "rb") as f:
-    return hashlib.sha256(f.read()).hexdigest()
-
-
-@pytest.mark.beside
-class FingerprintTest(parameterized.TestCase):
-  """What a launched command runs, found without running it."""
-
-  @parameterized.named_parameters(
-      ("a_script", [sys.executable, TASK, "ok"], "launch_task.py", TASK),
-      ("python_options_first", [sys.executable, "-u", "-X", "dev", TASK],
-       "launch_task.py", TASK),
-      ("a_module", [sys.executable, "-m", "tfdist", "info"], "module tfdist",
-       os.path.join(cluster_utils.REPO, "tfdist", "__main__.py")),
-      ("another_program", ["bash", "run.sh"], "bash", shutil.which("bash")),
-  )
-  def test_the_script_and_its_hash(self, command, name, path):
-    node = fingerprint.take(command, cwd=cluster_utils.REPO)
-    self.assertEqual(node["script"], {"name": name, "sha256": _sha256(path)})
-    self.assertEqual(node["argv"], command)
-    self.assertEqual(node["Keras"], importlib.metadata.version("keras"))
-
-  def test_code_is_hashed_as_given(self):
-    node = fingerprint.take([sys.executable, "-c", "print(1)"])
-    self.assertEqual(node["script"], {
-        "name": "-c code", "sha256": hashlib.sha256(b"print(1)").hexdigest()})
-
-  @parameterized.named_parameters(
-      ("the_same", {}, (None, None)),
-      ("another_python", {"Python": "3.9.0"}, (
-          f"Python 3.9.0 on node 2, {platform.python_version()} on node 0 "
-          "(every node must run the same tfdist, TensorFlow, Keras, Python "
-          "and script)", None)),
-      ("a_longer_command", {"argv": [sys.executable, TASK, "ok", "x"]}, (
-          None, "node 2 runs the same script with other arguments: argv[3] "
-          "is 'x' on node 2, missing on node 0 (fine for per-node paths)")),
-  )
-  def test_compare(self, changed, expected):
-    ours = fingerprint.take([sys.executable, TASK, "ok"])
-    self.assertEqual(fingerprint.compare(ours, {**ours, **changed}, rank=2),
-                     expected)
-
-  def test_a_node_that_says_nothing_is_refused(self):
-    ours = fingerprint.take([sys.executable, TASK, "ok"])
-    why, warning = fingerprint.compare(ours, {}, rank=1)
-    self.assertIsNone(warning)
-    self.assertIn(f"node 0 runs tfdist {ours['tfdist']}", why)
 
 
 class NodeSpecTest(parameterized.TestCase):

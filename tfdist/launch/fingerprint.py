@@ -3,10 +3,13 @@
 Each node's launcher takes its fingerprint once (`take`, from
 `tfdist.launch.spec.preflight`): the releases of tfdist, TensorFlow and
 Keras that its Python sees (read with `importlib.metadata`: nothing is
-imported), that Python's version, the SHA-256 of the script, ``-m`` module
-or ``-c`` code the launched command runs, and the command itself. Node 0
+imported), that Python's version, the SHA-256 of what the interpreter runs
+(a Python or shell script after the interpreter's options, the ``-m``
+module's file, ``-c`` code, or the program itself) together with the local
+modules a Python script imports from its own folder, and the command
+itself. Node 0
 compares every joining node's with its own (`compare`): a release or a
-script that differs refuses the node; a command that differs in its
+script that differs, or one that a node cannot read, refuses the node; a command that differs in its
 arguments alone is worth a warning, since nodes often pass their own paths.
 TensorFlow-free.
 
@@ -19,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.metadata
 import os
@@ -38,8 +42,11 @@ _RELEASES = {
 }
 #: Fields that must match, in the order a refusal names them.
 _MUST_MATCH = (*_RELEASES, "Python", "script")
-#: Python's options that take the next argument as their value.
-_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")
+#: Interpreters whose first operand is the script they run, and their
+#: options that take the next argument as their value.
+_PYTHON_VALUE = ("-W", "-X", "--check-hash-based-pycs")
+_SHELLS = ("sh", "bash", "dash", "zsh", "ksh")
+_SHELL_VALUE = ("-o", "+o", "-O", "+O", "--rcfile", "--init-file")
 
 
 def take(command: Sequence[str], *, cwd: str | None = None,
@@ -53,10 +60,9 @@ def take(command: Sequence[str], *, cwd: str | None = None,
       default).
   """
   found = {name: _release(dists) for name, dists in _RELEASES.items()}
-  label, digest = _script(command, cwd or os.getcwd(),
-                          os.environ if environ is None else environ)
-  return {**found, "Python": platform.python_version(),
-          "script": {"name": label, "sha256": digest},
+  script = _script(command, cwd or os.getcwd(),
+                   os.environ if environ is None else environ)
+  return {**found, "Python": platform.python_version(), "script": script,
           "argv": list(command)}
 
 
@@ -72,6 +78,12 @@ def compare(ours: Mapping[str, Any], theirs: Any, *,
   if not isinstance(theirs, Mapping) or set(theirs) != set(ours):
     return (f"node {rank} did not say what it runs (another tfdist "
             f"release?); node 0 runs tfdist {ours['tfdist']}"), None
+  unread = [f"node {r} cannot read what it runs: {node['script']['unread']}"
+            for r, node in ((rank, theirs), (0, ours))
+            if isinstance(node["script"], Mapping)
+            and node["script"].get("unread")]
+  if unread:
+    return "; ".join(unread) + " (an unread script matches nothing)", None
   differ = [f"{field} {_shown(theirs[field])} on node {rank}, "
             f"{_shown(ours[field])} on node 0" for field in _MUST_MATCH
             if _key(theirs[field]) != _key(ours[field])]
@@ -104,7 +116,9 @@ def _key(value: Any) -> Any:
 
 def _shown(value: Any) -> str:
   if isinstance(value, Mapping):
-    return f"{value['name']} (sha256 {value['sha256'][:12] or 'unread'})"
+    extra = value.get("files", 1) - 1
+    return (f"{value['name']} (sha256 {value['sha256'][:12]}"
+            + (f", with {extra} local modules)" if extra else ")"))
   return str(value)
 
 
@@ -113,26 +127,79 @@ def _arg(argv: Sequence[str], i: int) -> str:
 
 
 def _script(command: Sequence[str], cwd: str,
-            environ: Mapping[str, str]) -> tuple[str, str]:
-  """What ``command`` runs, named, and the SHA-256 of its text (``""`` when
-  it cannot be read): a Python command's script, ``-m`` module or ``-c``
-  code; any other program's own file."""
+            environ: Mapping[str, str]) -> dict[str, Any]:
+  """What ``command`` runs: its name, the SHA-256 of its text and of the
+  local modules a Python script imports from its own folder, or why it
+  could not be read (``unread``)."""
   program, args = command[0], list(command[1:])
-  if not os.path.basename(program).startswith("python"):
-    return os.path.basename(program), _digest(_which(program, cwd, environ))
+  name = os.path.basename(program)
+  if name.startswith("python"):
+    label, target = _operand(args, _PYTHON_VALUE, "-m")
+  elif name in _SHELLS:
+    label, target = _operand(args, _SHELL_VALUE, None)
+  else:
+    label, target = name, _which(program, cwd, environ)
+  if isinstance(target, bytes):
+    return {"name": label, "sha256": hashlib.sha256(target).hexdigest()}
+  if label.startswith("module "):
+    target = _module(label[7:], cwd, environ)
+  if target is None:
+    return {"name": label, "sha256": "", "unread": f"{label} was not found"}
+  path = os.path.join(cwd, target)
+  digest = hashlib.sha256()
+  files = _local_modules(path) if path.endswith(".py") else [path]
+  try:
+    for file in files:
+      with open(file, "rb") as f:
+        digest.update(os.path.relpath(file, os.path.dirname(path)).encode()
+                      + b"\0" + f.read() + b"\0")
+  except OSError as e:
+    return {"name": label, "sha256": "", "unread": f"{e.strerror}: {file}"}
+  return {"name": label, "sha256": digest.hexdigest(), "files": len(files)}
+
+
+def _operand(args: list[str], with_value: tuple[str, ...],
+             module_flag: str | None) -> tuple[str, str | bytes | None]:
+  """The script an interpreter runs: ``(name, path)``, or its ``-c`` code
+  as bytes, skipping the interpreter's own options."""
   while args:
     arg = args.pop(0)
-    if arg in ("-m", "-c") and args:
+    if arg in ("-c", module_flag) and args:
       arg += args.pop(0)
     if arg.startswith("-c"):
-      return "-c code", hashlib.sha256(arg[2:].encode()).hexdigest()
-    if arg.startswith("-m"):
-      return f"module {arg[2:]}", _digest(_module(arg[2:], cwd, environ))
-    if arg in _WITH_VALUE:
+      return "-c code", arg[2:].encode()
+    if module_flag and arg.startswith(module_flag):
+      return f"module {arg[2:]}", None
+    if arg in with_value:
       args = args[1:]
-    elif not arg.startswith("-"):
-      return os.path.basename(arg), _digest(os.path.join(cwd, arg))
-  return "standard input", ""
+    elif not arg.startswith(("-", "+")):
+      return os.path.basename(arg), arg
+  return "standard input", None
+
+
+def _local_modules(script: str) -> list[str]:
+  """``script`` and the modules it imports, directly or through each other,
+  that live in its own folder (read with `ast`; nothing is imported)."""
+  folder, found, todo = os.path.dirname(script), [], [script]
+  while todo:
+    path = todo.pop()
+    if path in found:
+      continue
+    found.append(path)
+    try:
+      with open(path, "rb") as f:
+        tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+      continue  # Read (and named if unreadable) by the caller.
+    for node in ast.walk(tree):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+               else [node.module] if isinstance(node, ast.ImportFrom)
+               and node.module and not node.level else [])
+      for name in names:
+        base = os.path.join(folder, *name.split("."))
+        todo += [p for p in (base + ".py", os.path.join(base, "__init__.py"))
+                 if os.path.isfile(p)]
+  return sorted(found)
 
 
 def _which(program: str, cwd: str, environ: Mapping[str, str]) -> str | None:
@@ -158,13 +225,3 @@ def _module(name: str, cwd: str, environ: Mapping[str, str]) -> str | None:
       if os.path.isfile(path):
         return path
   return None
-
-
-def _digest(path: str | None) -> str:
-  if path is None:
-    return ""
-  try:
-    with open(path, "rb") as f:
-      return hashlib.file_digest(f, "sha256").hexdigest()
-  except OSError:
-    return ""
