@@ -190,6 +190,81 @@ class RoundsTest(parameterized.TestCase):
                        {(None, 1)})
       self.assertTrue(rounds.over)
 
+  def _settling(self):
+    clock = _Clock()
+    rounds = rounds_lib.Rounds(min_nodes=2, max_nodes=16, max_restarts=0,
+                               timeout=60, last_call=5.0, peer_grace=12.0,
+                               settle=2.0, clock=clock)
+    self._start(rounds, range(16))
+    return rounds, clock
+
+  @parameterized.named_parameters(
+      # (events: (seconds, "lost" or "joined", rank), the one stop's time,
+      # its why)
+      ("losses_at_once", [(0, "lost", 5), (0, "lost", 6), (0, "lost", 7)], 2,
+       "node 5 went away; 2 more within 2 s of each other (nodes 6, 7)"),
+      ("losses_found_by_silence", [(0, "lost", 5), (0.9, "lost", 6),
+                                   (1.8, "lost", 7)], 3.8,
+       "node 5 went away; 2 more within 2 s of each other (nodes 6, 7)"),
+      ("a_loss_and_a_return", [(0, "lost", 7), (1, "joined", 7)], 3,
+       "node 7 went away; 1 more within 2 s of each other (nodes 7)"),
+      ("endless_changes_stop_at_the_peer_grace",
+       [(i * 1.5, "lost", 15 - i) for i in range(8)], 12,
+       "node 15 went away; 7 more within 2 s of each other (nodes 14, 13, "
+       "12, 11, 10, 9, 8)"),
+  )
+  def test_a_burst_of_changes_is_one_restart(self, events, stops_at, why):
+    rounds, clock = self._settling()
+    out = []
+    for now in sorted({t for t, _, _ in events} | {stops_at - 0.1}):
+      clock.now = now
+      for _, what, rank in (e for e in events if e[0] == now):
+        out += (rounds.lost(rank, f"node {rank} went away") if what == "lost"
+                else rounds.join(rank, _join(), first=True))
+      out += rounds.tick()
+    self.assertEqual(out, [])  # Nothing stops before the change settled.
+    clock.now = stops_at
+    out = rounds.tick()
+    self.assertEqual({(m["kind"], m["restart"], m["failure"]) for _, m in out},
+                     {("stop", 1, False)})
+    self.assertEqual(out[0][1]["why"], why)
+    clock.now += 20  # Within the next round's timeout.
+    self.assertEqual(rounds.tick(), [])  # One stop, never two.
+
+  def test_a_burst_of_returns_joins_one_round(self):
+    rounds, clock = self._settling()
+    left = [r for r in range(16) if r not in (5, 6, 7)]
+    for rank in (5, 6, 7):
+      rounds.lost(rank, "gone")
+    clock.now = 2
+    self.assertEqual({m["restart"] for _, m in rounds.tick()}, {1})
+    for rank in left:
+      out = rounds.join(rank, _join(attempt=1), first=False)
+    self.assertEqual(sorted(_kinds(out)), left)
+    clock.now = 10
+    for rank in (5, 6, 7):  # Launchers started together, joining apart.
+      clock.now += 0.5
+      self.assertEqual(rounds.join(rank, _join(), first=True), [])
+    clock.now += 2
+    out = rounds.tick()
+    self.assertEqual({(m["restart"], m["why"]) for _, m in out}, {(
+        2, "node 5 joined; 2 more within 2 s of each other (nodes 6, 7)")})
+    for rank in left:
+      out = rounds.join(rank, _join(attempt=2), first=False)
+    self.assertEqual((out[0][1]["nodes"], out[0][1]["previous"]),
+                     (list(range(16)), 13))
+
+  def test_a_failure_while_members_change_is_their_consequence(self):
+    rounds, clock = self._settling()
+    rounds.lost(7, "node 7 went away")
+    clock.now = 1
+    self.assertEqual(rounds.failed(0, {"attempt": 0, "role": "worker:0",
+                                       "code": 1}), [])
+    clock.now = 2
+    out = rounds.tick()
+    self.assertEqual({(m["restart"], m["failure"], m["failures"])
+                      for _, m in out}, {(1, False, 0)})
+
   def test_without_elasticity_a_lost_peer_fails_at_once(self):
     rounds = rounds_lib.Rounds(min_nodes=3, max_nodes=3, max_restarts=1,
                                timeout=60, peer_grace=12.0, clock=_Clock())

@@ -32,7 +32,8 @@ address only); every launcher, node 0's included, joins it as a `Member`:
    for `SILENCE_SECONDS`, or a closed connection, means the peer is lost (a
    silent node is told so, should it wake). A member reports a failed task
    (``failed``) or that its training tasks finished (``done``). A failed
-   task, a lost node or (below MAX) a new one ends the round: the master
+   task, a lost node or (below MAX) a new one ends the round (a change of
+   members once it settled, `SETTLE_SECONDS`): the master
    sends every node ``stop``, with the next round's number (they stop their
    tasks and join again) or for good; once every node with training tasks
    is done, ``finish``. A node that comes back under its rank replaces its
@@ -41,7 +42,8 @@ address only); every launcher, node 0's included, joins it as a `Member`:
 So from a failure anywhere to every node stopping its tasks takes at most
 `SILENCE_SECONDS` plus one heartbeat (a launcher that hangs or a cut link)
 and a few milliseconds otherwise (a task that fails, a launcher that dies:
-its connection closes at once); stopping then takes the launcher's
+its connection closes at once), plus `SETTLE_SECONDS` for a change of
+members in an elastic job; stopping then takes the launcher's
 ``grace_seconds``. Node 0's launcher is the one node a job cannot lose.
 
 What to decide is `tfdist.launch.rounds.Rounds`'s; this module carries it
@@ -78,7 +80,8 @@ from tfdist.launch.rounds import Rounds
 from tfdist.launch.rounds import disagreement
 
 __all__ = ["Master", "Member", "RendezvousError", "HEARTBEAT_SECONDS",
-           "SILENCE_SECONDS", "PEER_GRACE_SECONDS", "MAX_MESSAGE_BYTES"]
+           "SILENCE_SECONDS", "PEER_GRACE_SECONDS", "SETTLE_SECONDS",
+           "MAX_MESSAGE_BYTES"]
 
 #: How often each side says it is alive.
 HEARTBEAT_SECONDS = 1.0
@@ -88,6 +91,12 @@ SILENCE_SECONDS = 10.0
 #: found lost (its silence, and two heartbeats more): then the restart is a
 #: change of members, free, not a failure (`Rounds`).
 PEER_GRACE_SECONDS = SILENCE_SECONDS + 2 * HEARTBEAT_SECONDS
+#: How long a change of members settles in an elastic job before it
+#: restarts the round (`Rounds`): nodes lost to silence are found within one
+#: heartbeat of each other (their last messages were), closed connections
+#: within milliseconds, so a burst of losses (launchers killed at once, a
+#: switch that drops a rack) or of returns is one restart.
+SETTLE_SECONDS = 2 * HEARTBEAT_SECONDS
 #: The largest message accepted (a cluster of thousands of tasks fits).
 MAX_MESSAGE_BYTES = 1 << 20
 #: How often every wait looks at its stop event (and the master at close).
@@ -216,7 +225,8 @@ class Master:
                on_report: Callable[[int, dict], None] | None = None):
     self._rounds = Rounds(min_nodes=min_nodes or nnodes, max_nodes=nnodes,
                           max_restarts=max_restarts, timeout=timeout,
-                          last_call=last_call, peer_grace=PEER_GRACE_SECONDS)
+                          last_call=last_call, peer_grace=PEER_GRACE_SECONDS,
+                          settle=SETTLE_SECONDS)
     self._nnodes = nnodes
     self._agree = dict(agree or {})
     self._node = node

@@ -11,6 +11,7 @@ the network. TensorFlow-free.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import time
 from typing import Any, Mapping, Sequence
@@ -99,6 +100,17 @@ def disagreement(ours: Mapping[str, Any], theirs: Any, *,
   return f"{'; '.join(differ)} (every node needs the same {' and '.join(ours)})"
 
 
+@dataclasses.dataclass
+class _Change:
+  """A change of members settling in a running round."""
+  fires: float  # When it stops the round, unless more comes.
+  latest: float  # When it stops the round in any case.
+  previous: int  # The round's size before.
+  whys: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+  newcomers: dict[int, dict] = dataclasses.field(default_factory=dict)
+  lost: bool = False
+
+
 class Rounds:
   """Who trains, round by round: the rendezvous's decisions, without I/O.
 
@@ -115,16 +127,21 @@ class Rounds:
   spends one of ``max_restarts``. A task that failed because it lost a peer
   (``peer_lost`` in its message) races the loss of that peer's node: in an
   elastic job its failure waits ``peer_grace`` seconds, and a node lost
-  meanwhile makes the restart a free one. Every method returns the
-  messages to send, as (node rank, message) pairs.
+  meanwhile makes the restart a free one. In an elastic job a change of
+  members settles first: losses and newcomers within ``settle`` seconds of
+  each other (at most ``peer_grace`` in all) are one change, one restart,
+  and a task that fails meanwhile is taken for its consequence. Every
+  method returns the messages to send, as (node rank, message) pairs.
   """
 
   def __init__(self, *, min_nodes: int, max_nodes: int, max_restarts: int,
                timeout: float, last_call: float = 0.0, peer_grace: float = 0.0,
-               clock=time.monotonic):
+               settle: float = 0.0, clock=time.monotonic):
     self._min, self._max = min_nodes, max_nodes
     self._max_restarts = max_restarts
     self._peer_grace = peer_grace if min_nodes < max_nodes else 0.0
+    self._settle = settle if min_nodes < max_nodes else 0.0
+    self._change: _Change | None = None
     self._held: tuple[float, str, int] | None = None  # A failure waiting.
     self._timeout, self._last_call_seconds = timeout, last_call
     self._clock = clock
@@ -153,9 +170,7 @@ class Rounds:
     if rank in self._joins:
       return []  # Already in the running round.
     # New, back, or left out at a last call: below max_nodes, as ranks are.
-    out = self._stop(f"node {rank} joined", code=0, failure=False)
-    self._joins[rank] = message
-    return out
+    return self._changed(f"node {rank} joined", rank, message)
 
   def failed(self, rank: int, message: dict) -> Outbox:
     """A task of node ``rank`` failed in the round ``message`` names."""
@@ -166,6 +181,8 @@ class Rounds:
     code = message.get("code", 1)
     what = "was preempted" if code == PREEMPTED_EXIT_CODE else "failed"
     why = f"task {message.get('role')}{where} {what}"
+    if self._change:
+      return []  # The change of members stops the round, for free.
     if message.get("peer_lost") and self._peer_grace:
       if self._held is None:  # A node lost meanwhile restarts for free.
         self._held = (self._clock() + self._peer_grace, why, code)
@@ -189,13 +206,18 @@ class Rounds:
     if not self._running:
       self._joins.pop(rank, None)
       return self._maybe_start()
-    if rank not in self._joins:
-      return []  # A node that waited for a restart.
-    return self._stop(why, code=1, failure=False)
+    if rank not in self._joins:  # It waited for a restart, or came back.
+      if self._change:
+        self._change.newcomers.pop(rank, None)
+      return []
+    return self._changed(why, rank)
 
   def tick(self) -> Outbox:
     """What the clock decides: the last call, or a round not joined in
     time."""
+    change = self._change
+    if change and self._clock() >= min(change.fires, change.latest):
+      return self._changed(None)
     if self._running and self._held and self._clock() >= self._held[0]:
       _, why, code = self._held  # No node was lost: the task's failure.
       return self._stop(why, code=code, failure=True)
@@ -212,6 +234,34 @@ class Rounds:
       why = (f"{len(self._joins)} nodes joined the rendezvous within "
              f"{self._timeout:g} s; the job needs {self._min} or more")
     return self._end({"kind": "error", "code": 1, "why": why})
+
+  def _changed(self, why: str | None, rank: int = -1,
+               joined: dict | None = None) -> Outbox:
+    """Node ``rank`` lost (or ``joined``, with its message) in the running
+    round: the round stops once the change settled (``why`` ``None``)."""
+    now, change = self._clock(), self._change
+    if change is None:
+      change = self._change = _Change(
+          now + self._settle, now + self._peer_grace, len(self._joins))
+    if why is not None:
+      change.fires = now + self._settle
+      change.whys.append((rank, why))
+      if joined is None:
+        change.lost = True
+        self._joins.pop(rank, None)
+      else:
+        change.newcomers[rank] = joined
+      if self._settle:
+        return []
+    (_, why), *more = change.whys
+    if more:
+      ranks = ", ".join(map(str, dict.fromkeys(r for r, _ in more)))
+      why += (f"; {len(more)} more within {self._settle:g} s of each other "
+              f"(nodes {ranks})")
+    out = self._stop(why, code=int(change.lost), failure=False,
+                     previous=change.previous)
+    self._joins.update(change.newcomers)
+    return out
 
   def _maybe_start(self) -> Outbox:
     joined = set(self._joins)
@@ -243,9 +293,10 @@ class Rounds:
                 f"({self._last_call_seconds:g} s): the job goes on without "
                 "it, and it joins at the next restart")}) for r in late]
 
-  def _stop(self, why: str, *, code: int, failure: bool) -> Outbox:
+  def _stop(self, why: str, *, code: int, failure: bool,
+            previous: int | None = None) -> Outbox:
     """Ends the running round: a restart, or the end of the job."""
-    self._held = None
+    self._held = self._change = None
     nodes = len(self._members)
     if nodes >= self._min and (not failure
                                or self.failures < self._max_restarts):
@@ -254,8 +305,8 @@ class Rounds:
       message = {"kind": "stop", "code": code, "why": why,
                  "restart": self.attempt, "failure": failure,
                  "failures": self.failures}
-      self._restarted = {"why": why, "previous": len(self._joins),
-                         "failure": failure}
+      self._restarted = {"why": why, "failure": failure,
+                         "previous": previous or len(self._joins)}
       self._running, self._joins, self._last_call = False, {}, None
       self._deadline = self._clock() + self._timeout
       return [(r, message) for r in sorted(self._members)]
