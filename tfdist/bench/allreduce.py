@@ -321,7 +321,7 @@ def summarize(sweep_result: dict, loopback: float, *, method: str) -> dict:
       for name, per_size in sweep_result.items()}
   transport, compression = METHODS[method]
   ceiling = fractions.get("exchange")
-  return {"fraction_of_loopback": fractions[method],
+  return {"allreduce_fraction_of_loopback": fractions[method],
           "ceiling_fraction_of_loopback": ceiling,
           "fraction_of_ceiling": (fractions[method] / ceiling
                                   if ceiling else None),
