@@ -100,11 +100,11 @@ class QuickBenchTest(absltest.TestCase):
     # The socket ring's schedules against their model, on loopback.
     schedules_report = report["raw"]["allreduce"]["schedules"]["ranks"]
     self.assertEqual(set(schedules_report), {"2", "3"})
-    for n, figures in schedules_report.items():
-      self.assertTrue(figures["same_bits"], n)
-      self.assertEqual(set(figures["sizes"]), {"4", "256"})
+    for n, sweep_n in schedules_report.items():
+      self.assertTrue(sweep_n["same_bits"], n)
+      self.assertEqual(set(sweep_n["sizes"]), {"4", "256"})
       self.assertEqual({kb: s["rule"]["pick"]
-                        for kb, s in figures["sizes"].items()},
+                        for kb, s in sweep_n["sizes"].items()},
                        {kb: socket_ring.choose(int(n), int(kb) << 10)
                         for kb in ("4", "256")})
     self.assertEqual(

@@ -58,12 +58,12 @@ class AcrossHostsTest(parameterized.TestCase):
                      {f.name for f in figures.of("across_hosts", targeted=True)})
     sweep = report["raw"]["allreduce"]["sweep"]
     for method in hosts_lib.HOSTS_QUICK.methods:
-      figures = sweep[method]["4"]
+      found = sweep[method]["4"]
       # Two workers: NCCL's bus bandwidth equals the algorithm bandwidth.
-      self.assertAlmostEqual(figures["busbw"], figures["algbw"])
+      self.assertAlmostEqual(found["busbw"], found["algbw"])
       self.assertAlmostEqual(
           report["raw"]["allreduce"]["fraction_of_link"][method]["4"],
-          figures["busbw"] / link)
+          found["busbw"] / link)
     # Every miss says why, from this run's figures; the ceilings are there
     # (the overlap target is a share of a ceiling already).
     for key, entry in report["targets"].items():
@@ -145,9 +145,9 @@ class AcrossHostsTest(parameterized.TestCase):
     self.assertLess(report["headline"]["link_bytes_per_s"],
                     _RATES["10gbit"] * 1.05)  # The shaped link, not more.
     for method in hosts_lib.HOSTS_QUICK.methods:
-      figures = report["raw"]["allreduce"]["sweep"][method]["4"]
+      found = report["raw"]["allreduce"]["sweep"][method]["4"]
       # NCCL's bus bandwidth: 2 (n - 1) / n of the algorithm bandwidth.
-      self.assertAlmostEqual(figures["busbw"], figures["algbw"] * 4 / 3)
+      self.assertAlmostEqual(found["busbw"], found["algbw"] * 4 / 3)
     self.assertEqual(report["model_check"]["p"], 3)
     self._check_schedules(
         report, next(o for o in outs if "across 3 workers" in o))

@@ -1,38 +1,20 @@
 """The socket ring's all-reduce schedules, measured against their model.
 
 `measure` starts ``n`` processes on this machine for each ``n`` of
-``ranks`` (Python and numpy only, no TensorFlow, so 16 fit on 2 cores; with
-``wrap``, each in its own host of the network bed), joined through a
-directory (`DirectoryRendezvous`). Each holds one `tfdist.ring.SocketRing`
-per schedule of `tfdist.ring.socket_ring.SCHEDULES`, forced
-(``schedule=NAME``), and one that follows the rule (``schedule=None``,
-`tfdist.ring.socket_ring.choose`). In one run, one after the other:
+``ranks`` (numpy, no TensorFlow; with ``wrap``, each in its own host of the
+network bed), joined through a directory (`DirectoryRendezvous`). Each
+holds one `tfdist.ring.SocketRing` per schedule of
+`tfdist.ring.socket_ring.SCHEDULES`, forced, and one that follows the rule.
+In one run: the link (`tfdist.bench.link`: B and alpha); with ``delay_s``,
+relays holding each chunk that long (`tfdist.bench.relay`; alpha is then
+measured through them, B is not); then float32 buffers of each size,
+every ring in alternating windows, medians, each rank's processor seconds
+and a hash of each ring's result.
 
-1. **The link** (`tfdist.bench.link`): ``bytes_per_s``, B, the slowest
-   rank's receive rate while every rank streams to its right neighbour at
-   once, and ``hop_latency_s``, alpha, a small token's time per hop round
-   the ring.
-2. **The relay** (with ``delay_s`` > 0; `tfdist.bench.relay`): each rank
-   starts a relay, and every ring connection goes through the receiving
-   rank's relay, which holds each chunk ``delay_s``: a latency the kernel
-   here cannot add (no netem). The relay's own cost is the hop latency
-   through it at delay 0 against the direct one; alpha is then the hop
-   latency through it at ``delay_s``. The all-reduce times and alpha come
-   through the relay; B does not.
-3. **The all-reduces**: float32 buffers of each size (rank-seeded random
-   values, so the order of additions shows in the bits), every ring in
-   alternating windows (each window starting with the next ring) of the
-   same repetitions on every rank; medians. Each rank's processor seconds
-   (`os.times`, its relay's included) over the windows, and a hash of each
-   ring's result, go to rank 0 through the rendezvous.
-
-Steps 2 and 3 are `sweep`, one rank's part, given the link's figures and a
-rendezvous: `tfdist bench --across-hosts` (`tfdist.bench.hosts`) calls it in
-every task, with the link it measured and TensorFlow's coordination service.
-
-`report` sets each schedule's median beside the alpha-beta model's time
-(``SCHEDULES[name].seconds``, from alpha and B) and scores the rule's
-figures of `tfdist.bench.figures` (``chosen_vs_best``, ``busbw_fraction``).
+`sweep` is one rank's part (``tfdist bench --across-hosts`` calls it in every
+task); `report` sets each schedule's median beside its model's time and
+scores the figures of `tfdist.bench.figures` (``chosen_vs_best``,
+``busbw_fraction``).
 
 Run as a module, it is one of those processes::
 
