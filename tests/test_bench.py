@@ -521,6 +521,28 @@ class BenchCliTest(absltest.TestCase):
     self.assertStartsWith(result.stderr, "tfdist: ")
     self.assertLen(result.stderr.strip().splitlines(), 1)
 
+  def _bench(self, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tfdist", "bench", *args],
+        env=cluster_utils.base_env(), cwd=cluster_utils.REPO,
+        capture_output=True, text=True, timeout=60)
+
+  def test_figures_of_a_saved_report(self):
+    result = self._bench("--figures", "docs/bench_hosts_cpu.json")
+    self.assertEqual(result.returncode, 0, result.stderr)
+    self.assertEqual(result.stdout.strip(), figures.markdown(figures.load(
+        [os.path.join(cluster_utils.REPO, "docs", "bench_hosts_cpu.json")])))
+
+  def test_figures_refuses_what_it_cannot_read(self):
+    for args, said in ((("--figures", "nope.json"), "--figures: received "
+                        "'nope.json'; expected a bench report's JSON file"),
+                       (("--figures", "x.json", "--quick"),
+                        "expected --figures without --quick")):
+      result = self._bench(*args)
+      self.assertEqual(result.returncode, 2)
+      self.assertIn(said, result.stderr)
+      self.assertLen(result.stderr.strip().splitlines(), 1)
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -236,14 +236,19 @@ def lookup(report: dict, dotted: str) -> Any:
   return value
 
 
+#: Where each bench's reports hold a figure's value.
+_VALUE: dict[str, Callable[[dict, str], Any]] = {
+    "one_host": lookup,
+    "across_hosts": lambda report, name: report["headline"][name],
+    "schedules": lambda report, name: (
+        report["raw"]["schedules"]["targets"][name]["value"]),
+}
+
+
 def _value(report: dict, figure: Figure) -> Any:
   """``figure``'s value in ``report`` (any bench's), or ``None``."""
   try:
-    if figure.bench == "schedules":
-      return report["raw"]["schedules"]["targets"][figure.name]["value"]
-    if figure.bench == "across_hosts":
-      return report["headline"][figure.name]
-    return lookup(report, figure.name)
+    return _VALUE[figure.bench](report, figure.name)
   except (KeyError, TypeError):
     return None
 
@@ -300,7 +305,7 @@ def load(paths: list[str]) -> dict[str, dict]:
       with open(path) as f:
         found = json.load(f)
     except (OSError, ValueError) as e:
-      raise ConfigError(field="figures", value=path, source=_SOURCE,
+      raise ConfigError(field="--figures", value=path, source=_SOURCE,
                         expected=f"a bench report's JSON file ({e})") from None
     name = path.rsplit("/", 1)[-1]
     if isinstance(found, dict) and "raw" in found:
@@ -308,7 +313,7 @@ def load(paths: list[str]) -> dict[str, dict]:
       continue
     if not isinstance(found, dict) or not all(
         isinstance(r, dict) and "raw" in r for r in found.values()):
-      raise ConfigError(field="figures", value=path, source=_SOURCE,
+      raise ConfigError(field="--figures", value=path, source=_SOURCE,
                         expected="a bench report, or label -> report")
     for label, report in found.items():
       out[f"{name} {label}" if len(paths) > 1 else label] = report

@@ -252,15 +252,12 @@ def build(*, config: dict, hosts: list[str], link: dict, sweep: dict,
 def processor_cost(*, link: dict, sweep: dict, workers: int) -> dict:
   """The ring's processor seconds per GB beside the raw TCP stream's.
 
-  Both are this process's CPU seconds (all its threads), measured in the
-  same run: the link's streams (`tfdist.bench.link`: ``cpu_s_per_gb``, per
-  GB received while as many were sent) and the float32 ``ring`` all-reduce
-  at the largest size swept (``cpu_seconds`` a call). A ring all-reduce of
-  S bytes over n workers sends ``2 (n - 1) / n`` S from each worker and
-  receives as much: per GB on the wire is the figure comparable with the
-  stream's; per GB reduced (of S) is what training pays. ``exchange``
-  (the same bytes over the same sockets, no arithmetic) splits the ring's
-  excess into its sockets' and its arithmetic's.
+  Both are this process's CPU seconds, measured in the same run: the link's
+  streams (``cpu_s_per_gb``) and the float32 ``ring`` at the largest size
+  swept. A ring all-reduce of S bytes over n workers sends ``2 (n - 1) / n``
+  S each way: per GB on the wire compares with the stream; per GB reduced is
+  what training pays. ``exchange`` (the same bytes, no arithmetic) splits
+  the ring's excess into its sockets' and its arithmetic's.
 
   Returns:
     ``{"size_mb", "tcp_cpu_s_per_gb", "ring_cpu_s_per_gb_reduced",

@@ -24,29 +24,60 @@ BUSY = 0.9
 
 
 def overhead(figure: Figure, *, overhead: dict, **_) -> dict:
-  """Each overhead case's windows: whether they tell tfdist from raw."""
-  return {"why": _against(figure, None, _overhead_evidence(overhead["cases"]))}
+  """Whether each case's windows tell tfdist from raw (`overhead.spread`)."""
+  cases, parts = overhead["cases"], []
+  for name, case in cases.items():
+    w = case["windows"]
+    parts.append(f"{name} {case['ratio']:.3f}, its windows "
+                 f"{w['min']:.3f}-{w['max']:.3f} of raw's (median "
+                 f"{w['median']:.3f}, {w['above_one']} of {len(w['ratios'])} "
+                 f"above 1, sign test p {w['sign_test_p']:.2f})")
+  apart = [n for n, c in cases.items() if c["windows"]["told_apart"]]
+  parts.append(f"told apart from raw: {', '.join(apart)}" if apart else
+               "no case told apart from raw (sign test p < "
+               f"{TOLD_APART_P:g} needed)")
+  return {"why": _against(figure, None, "; ".join(parts))}
 
 
 def scaling(figure: Figure, *, value: float, scaling: dict, **_) -> dict:
   """A model's scaling against its workers training alone, and what
-  waiting for the slowest worker and the all-reduce leave of that."""
+  waiting for the slowest worker and the all-reduce leave of that
+  (`tfdist.bench.scaling`)."""
   model = figure.name.split(".")[1]
   ceiling = scaling.get("scaling_ceiling", {}).get(model)
-  straggler = scaling.get("straggler", {}).get(model)
-  evidence = straggler and _straggler_evidence(
-      straggler, scaling["scaling_sync_ceiling"][model],
-      scaling["scaling_allreduce_ceiling"][model], value)
+  straggler, evidence = scaling.get("straggler", {}).get(model), None
+  if straggler:
+    mean = straggler["mean_step_s"]
+    sync = scaling["scaling_sync_ceiling"][model]
+    reduced = scaling["scaling_allreduce_ceiling"][model]
+    evidence = (
+        f"a synchronous step waits for the slowest of {straggler['workers']} "
+        f"workers: their own steps, timed one by one, took "
+        f"{mean * 1e3:.1f} ms on average and each step's slowest "
+        f"{mean / straggler['sync_factor'] * 1e3:.1f} ms (ceiling "
+        f"{sync:.3f}); one all-reduce of the gradients, timed alone, took "
+        f"{straggler['gradients_allreduce_s'] * 1e3:.2f} ms (ceiling "
+        f"{reduced:.3f}); tfdist reached {value / reduced:.2f} of that")
   return {"machine_ceiling": ceiling,
           "why": _against(figure, ceiling, evidence, value)}
 
 
 def loopback(figure: Figure, *, value: float, allreduce: dict, **_) -> dict:
-  """The all-reduce against the bytes alone over the same sockets."""
+  """The all-reduce against the bytes alone over the same sockets, the same
+  ring without TensorFlow, and how busy the machine was."""
   ceiling = allreduce.get("ceiling_fraction_of_loopback")
+  parts, method = [], allreduce.get("method")
+  ring = allreduce.get("fractions", {}).get("ring")
+  if ring:
+    parts.append(f"the same ring without TensorFlow reached {ring:.3f}")
+  busy = [f["machine_busy"] for f in
+          allreduce.get("sweep", {}).get(method, {}).values()
+          if "machine_busy" in f]
+  if busy:
+    parts.append(f"the machine was {statistics.median(busy):.0%} busy "
+                 f"during {method} (median over sizes)")
   return {"machine_ceiling": ceiling,
-          "why": _against(figure, ceiling, _allreduce_evidence(allreduce),
-                          value)}
+          "why": _against(figure, ceiling, "; ".join(parts), value)}
 
 
 def _against(figure: Figure, ceiling: float | None, evidence: str | None,
@@ -61,57 +92,6 @@ def _against(figure: Figure, ceiling: float | None, evidence: str | None,
     line = (f"the machine allowed {ceiling:.3f} in this run; tfdist reached "
             f"{value / ceiling:.2f} of it")
   return f"{line}; {evidence}" if evidence else line
-
-
-def _overhead_evidence(cases: dict) -> str:
-  """Whether each case's windows tell tfdist from raw (`overhead.spread`)."""
-  parts = []
-  for name, figures in cases.items():
-    w = figures["windows"]
-    parts.append(f"{name} {figures['ratio']:.3f}, its windows "
-                 f"{w['min']:.3f}-{w['max']:.3f} of raw's (median "
-                 f"{w['median']:.3f}, {w['above_one']} of {len(w['ratios'])} "
-                 f"above 1, sign test p {w['sign_test_p']:.2f})")
-  apart = [n for n, f in cases.items() if f["windows"]["told_apart"]]
-  verdict = (f"told apart from raw: {', '.join(apart)}" if apart else
-             "no case told apart from raw (sign test p < "
-             f"{TOLD_APART_P:g} needed)")
-  return "; ".join(parts) + f"; {verdict}"
-
-
-def _allreduce_evidence(allreduce: dict) -> str | None:
-  """What the sweep says of the headline method's gap to its ceiling.
-
-  The same ring called without TensorFlow (``ring``), and how busy the
-  machine's processors were while the headline method ran.
-  """
-  parts = []
-  ring = allreduce.get("fractions", {}).get("ring")
-  if ring:
-    parts.append(f"the same ring without TensorFlow reached {ring:.3f}")
-  method = allreduce.get("method")
-  busy = [f["machine_busy"] for f in
-          allreduce.get("sweep", {}).get(method, {}).values()
-          if "machine_busy" in f]
-  if busy:
-    parts.append(f"the machine was {statistics.median(busy):.0%} busy "
-                 f"during {method} (median over sizes)")
-  return "; ".join(parts) or None
-
-
-def _straggler_evidence(straggler: dict, sync_ceiling: float,
-                        allreduce_ceiling: float, value: float) -> str:
-  """What waiting for the slowest worker and the all-reduce leave of the
-  ceiling (`tfdist.bench.scaling`)."""
-  mean = straggler["mean_step_s"]
-  return (f"a synchronous step waits for the slowest of "
-          f"{straggler['workers']} workers: their own steps, timed one by "
-          f"one, took {mean * 1e3:.1f} ms on average and each step's "
-          f"slowest {mean / straggler['sync_factor'] * 1e3:.1f} ms (ceiling "
-          f"{sync_ceiling:.3f}); one all-reduce of the gradients, timed "
-          f"alone, took {straggler['gradients_allreduce_s'] * 1e3:.2f} ms "
-          f"(ceiling {allreduce_ceiling:.3f}); tfdist reached "
-          f"{value / allreduce_ceiling:.2f} of that")
 
 
 def lowest_size(fractions: dict, method: str) -> str:
