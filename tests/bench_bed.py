@@ -40,8 +40,8 @@ import tempfile
 from typing import Sequence
 
 from tfdist import _net
-from tfdist.bench import hosts as hosts_lib
 from tfdist.bench import plot as plot_lib
+from tfdist.bench import report as report_lib
 from tfdist.bench import schedules as schedules_lib
 
 import cluster_utils
@@ -203,11 +203,11 @@ def main() -> int:
       reports[rate] = report
       print(f"bench_bed: {rate}: load average {before[0]:.2f} before, "
             f"{after[0]:.2f} after", flush=True)
-      print(f"== {rate}\n{hosts_lib.format_table(report)}", flush=True)
+      print(f"== {rate}\n{report_lib.format_hosts(report)}", flush=True)
   with open(args.json, "w") as f:
     json.dump(reports, f, indent=1, sort_keys=True)
   if args.plot:
-    hosts_lib.write_plot(reports, args.plot)
+    plot_lib.write_hosts_plot(reports, args.plot)
   return 0
 
 

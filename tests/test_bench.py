@@ -19,6 +19,7 @@ import pytest
 
 import cluster_utils
 from tfdist.bench import allreduce
+from tfdist.bench import figures
 from tfdist.bench import hosts
 from tfdist.bench import models
 from tfdist.bench import overhead
@@ -80,9 +81,10 @@ class QuickBenchTest(absltest.TestCase):
   def test_report_is_well_formed(self):
     report = self.report
     report_lib.validate(report)
-    self.assertContainsSubset(report_lib.HEADLINE_KEYS, set(report))
+    self.assertContainsSubset(
+        {f.name for f in figures.of("one_host", headline=True)}, set(report))
     self.assertEqual(set(report["scaling_efficiency"]), {"cnn", "mlp"})
-    self.assertEqual({t.key for t in report_lib.TARGETS},
+    self.assertEqual({f.name for f in figures.of("one_host", targeted=True)},
                      set(report["targets"]))
     self.assertIs(report["config"]["quick"], True)
     self.assertEqual(set(report["raw"]["overhead"]),
@@ -98,11 +100,11 @@ class QuickBenchTest(absltest.TestCase):
     # The socket ring's schedules against their model, on loopback.
     schedules_report = report["raw"]["allreduce"]["schedules"]["ranks"]
     self.assertEqual(set(schedules_report), {"2", "3"})
-    for n, figures in schedules_report.items():
-      self.assertTrue(figures["same_bits"], n)
-      self.assertEqual(set(figures["sizes"]), {"4", "256"})
+    for n, sweep_n in schedules_report.items():
+      self.assertTrue(sweep_n["same_bits"], n)
+      self.assertEqual(set(sweep_n["sizes"]), {"4", "256"})
       self.assertEqual({kb: s["rule"]["pick"]
-                        for kb, s in figures["sizes"].items()},
+                        for kb, s in sweep_n["sizes"].items()},
                        {kb: socket_ring.choose(int(n), int(kb) << 10)
                         for kb in ("4", "256")})
     self.assertEqual(
@@ -207,26 +209,28 @@ class QuickBenchTest(absltest.TestCase):
 class ReportTest(parameterized.TestCase):
 
   def test_missed_target_says_by_how_much_and_why(self):
-    target = report_lib.Target(key="x", bound=0.9)
-    self.assertIn("out of reach on this machine",
-                  report_lib._why(target, 0.6, 0.75))
-    self.assertIn("allowed 0.950", report_lib._why(target, 0.6, 0.95))
-    self.assertIn("no ceiling", report_lib._why(target, 0.6, None))
+    loopback = figures.get("allreduce_fraction_of_loopback")
+    for ceiling, said in ((0.4, "out of reach on this machine"),
+                          (0.95, "allowed 0.950"), (None, "no ceiling")):
+      entry = figures.score(loopback, 0.3, allreduce={
+          "ceiling_fraction_of_loopback": ceiling})
+      self.assertFalse(entry["met"])
+      self.assertAlmostEqual(entry["short_by"], 0.2)
+      self.assertIn(said, entry["why"])
+      self.assertEqual(entry.get("machine_ceiling"), ceiling)
 
   def test_missed_allreduce_names_the_ring_alone_and_the_busy_machine(self):
     sweep = {"socket": {"4": {"machine_busy": 0.97}, "16": {}},
              "ring": {"4": {}, "16": {}}}
-    why = report_lib._why(
-        report_lib.Target(key="x", bound=0.5), 0.3, 0.4,
-        report_lib._allreduce_evidence(
-            {"fractions": {"socket": 0.3, "ring": 0.36}, "method": "socket",
-             "sweep": sweep}))
-    self.assertIn("out of reach", why)
-    self.assertIn("without TensorFlow reached 0.360", why)
-    self.assertIn("97% busy during socket", why)
-    self.assertIsNone(report_lib._allreduce_evidence(
-        {"fractions": {"socket": 0.3}, "method": "socket",
-         "sweep": {"socket": {"4": {}}}}))
+    entry = figures.score(
+        figures.get("allreduce_fraction_of_loopback"), 0.3,
+        allreduce={"fractions": {"socket": 0.3, "ring": 0.36},
+                   "method": "socket", "sweep": sweep,
+                   "ceiling_fraction_of_loopback": 0.4})
+    self.assertIn("out of reach", entry["why"])
+    self.assertIn("without TensorFlow reached 0.360", entry["why"])
+    self.assertIn("97% busy during socket", entry["why"])
+    self.assertAlmostEqual(entry["share_of_ceiling"], 0.75)
 
   @parameterized.named_parameters(
       ("same_steps", [[1.0, 1.0], [1.0, 1.0]], 1.0),
@@ -241,14 +245,20 @@ class ReportTest(parameterized.TestCase):
     self.assertAlmostEqual(scaling.sync_factor(steps), factor)
 
   def test_missed_scaling_names_the_slowest_worker(self):
-    why = report_lib._straggler_evidence(
-        {"workers": 2, "mean_step_s": 0.02, "sync_factor": 0.8,
-         "gradients_allreduce_s": 0.005}, 0.72, 0.576, 0.5)
-    self.assertIn("slowest of 2 workers", why)
+    scaling_raw = {"scaling_ceiling": {"cnn": 0.9},
+                   "scaling_sync_ceiling": {"cnn": 0.72},
+                   "scaling_allreduce_ceiling": {"cnn": 0.576},
+                   "straggler": {"cnn": {
+                       "workers": 2, "mean_step_s": 0.02, "sync_factor": 0.8,
+                       "gradients_allreduce_s": 0.005}}}
+    entry = figures.score(figures.get("scaling_efficiency.cnn"), 0.5,
+                          scaling=scaling_raw)
+    self.assertEqual(entry["machine_ceiling"], 0.9)
+    self.assertIn("slowest of 2 workers", entry["why"])
     self.assertIn("20.0 ms on average and each step's slowest 25.0 ms "
-                  "(ceiling 0.720)", why)
+                  "(ceiling 0.720)", entry["why"])
     self.assertIn("took 5.00 ms (ceiling 0.576); tfdist reached 0.87 of that",
-                  why)
+                  entry["why"])
 
   @parameterized.named_parameters(
       # (busy, softirq, every) before and after each span.
@@ -280,7 +290,7 @@ class ReportTest(parameterized.TestCase):
 
   def test_validate_names_the_bad_key(self):
     with self.assertRaisesRegex(report_lib.ReportError,
-                                "overhead_ratio: missing"):
+                                "overhead_ratio = None; expected a positive"):
       report_lib.validate({})
 
   @parameterized.named_parameters(
@@ -300,12 +310,13 @@ def _case(ratio: float, variant_s: list[float], baseline_s: list[float],
 
 def _smallest_report(cases: dict) -> dict:
   """A report `report_lib.validate` accepts, with these overhead cases."""
-  return {**{k: ({"m": 1.0} if kind is dict else 1.0)
-             for k, kind in report_lib.HEADLINE_KEYS.items()},
-          "targets": {t.key: {"met": True} for t in report_lib.TARGETS},
-          "raw": {**{s: {} for s in report_lib._SECTIONS},
+  one_host = figures.of("one_host")
+  return {**{f.name: ({"m": 1.0} if f.kind is dict else 1.0)
+             for f in one_host if f.headline},
+          "targets": {f.name: {"met": True} for f in one_host if f.target},
+          "raw": {**{f.section: {"x": 1} for f in one_host},
                   "overhead": cases},
-          "config": {}}
+          "config": {"quick": True}}
 
 
 class OverheadSpreadTest(parameterized.TestCase):
@@ -351,15 +362,17 @@ class OverheadSpreadTest(parameterized.TestCase):
   def test_why_names_each_case_and_whether_it_is_told_apart(self):
     cases = {"fit": _case(0.96, [1.0, 1.2, 1.0], [1.1, 1.0, 0.9]),
              "runner": _case(0.98, [1.0] * 3, [0.9] * 3)}
-    why = report_lib._overhead_evidence(cases)
+    why = figures.score(figures.get("overhead_ratio"), 0.96,
+                        overhead={"cases": cases})["why"]
     self.assertIn("fit 0.960, its windows 0.833-1.100 of raw's (median "
                   "0.900, 1 of 3 above 1, sign test p 1.00)", why)
     self.assertIn("runner 0.980, its windows 0.900-0.900", why)
     self.assertTrue(why.endswith("no case told apart from raw (sign test "
                                  "p < 0.05 needed)"), why)
     cases["runner"] = _case(0.9, [1.0] * 7, [0.9] * 7)
-    self.assertTrue(report_lib._overhead_evidence(cases).endswith(
-        "told apart from raw: runner"))
+    self.assertTrue(figures.score(
+        figures.get("overhead_ratio"), 0.9, overhead={"cases": cases}
+    )["why"].endswith("told apart from raw: runner"))
 
   def test_validate_and_table_read_the_windows(self):
     report = _smallest_report({"fit": _case(0.97, [1.0] * 2, [0.97] * 2)})
@@ -421,10 +434,9 @@ class ProcessorCostTest(parameterized.TestCase):
       sweep["exchange"] = {"16": {"cpu_seconds": exchange * gb}}
     processor = hosts.processor_cost(link={"cpu_s_per_gb": 0.5},
                                      sweep=sweep, workers=2)
-    target = next(t for t in hosts.TARGETS if t.key == "ring_cpu_vs_tcp")
-    self.assertFalse(target.met(processor["ring_cpu_vs_tcp"]))
-    out = hosts.why_not(target, sweep=sweep, fractions={}, training={},
-                        processor=processor)
+    out = figures.score(figures.get("ring_cpu_vs_tcp"),
+                        processor["ring_cpu_vs_tcp"], processor=processor)
+    self.assertFalse(out["met"])
     for text in said:
       self.assertIn(text, out["why"])
     if ceiling is None:
@@ -508,6 +520,28 @@ class BenchCliTest(absltest.TestCase):
     self.assertEqual(result.returncode, 2)
     self.assertStartsWith(result.stderr, "tfdist: ")
     self.assertLen(result.stderr.strip().splitlines(), 1)
+
+  def _bench(self, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tfdist", "bench", *args],
+        env=cluster_utils.base_env(), cwd=cluster_utils.REPO,
+        capture_output=True, text=True, timeout=60)
+
+  def test_figures_of_a_saved_report(self):
+    result = self._bench("--figures", "docs/bench_hosts_cpu.json")
+    self.assertEqual(result.returncode, 0, result.stderr)
+    self.assertEqual(result.stdout.strip(), figures.markdown(figures.load(
+        [os.path.join(cluster_utils.REPO, "docs", "bench_hosts_cpu.json")])))
+
+  def test_figures_refuses_what_it_cannot_read(self):
+    for args, said in ((("--figures", "nope.json"), "--figures: received "
+                        "'nope.json'; expected a bench report's JSON file"),
+                       (("--figures", "x.json", "--quick"),
+                        "expected --figures without --quick")):
+      result = self._bench(*args)
+      self.assertEqual(result.returncode, 2)
+      self.assertIn(said, result.stderr)
+      self.assertLen(result.stderr.strip().splitlines(), 1)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import pytest
 
+from tfdist.bench import figures
 from tfdist.bench import hosts as hosts_lib
 from tfdist.bench import report as report_lib
 from tfdist.bench import schedules as schedules_lib
@@ -41,7 +42,7 @@ class AcrossHostsTest(parameterized.TestCase):
                                                  timeout=300)
     self.assertEqual(codes, [0, 0], "\n".join(outs))
     self.assertIsNotNone(report, "\n".join(outs))
-    hosts_lib.validate(report)
+    report_lib.validate_hosts(report)
     # Across the bed's addresses, not loopback.
     self.assertEqual(report["raw"]["hosts"], ["198.18.0.11", "198.18.0.12"])
     # The link measured is the shaped link: tbf lets no stream past it.
@@ -53,15 +54,16 @@ class AcrossHostsTest(parameterized.TestCase):
     model = report["model_check"]
     self.assertEqual((model["p"], model["bytes_per_s"]), (2, link))
     self.assertEqual(set(model["by_size"]), {"4"})
-    self.assertEqual(set(report["targets"]), {t.key for t in hosts_lib.TARGETS})
+    self.assertEqual(set(report["targets"]),
+                     {f.name for f in figures.of("across_hosts", targeted=True)})
     sweep = report["raw"]["allreduce"]["sweep"]
     for method in hosts_lib.HOSTS_QUICK.methods:
-      figures = sweep[method]["4"]
+      found = sweep[method]["4"]
       # Two workers: NCCL's bus bandwidth equals the algorithm bandwidth.
-      self.assertAlmostEqual(figures["busbw"], figures["algbw"])
+      self.assertAlmostEqual(found["busbw"], found["algbw"])
       self.assertAlmostEqual(
           report["raw"]["allreduce"]["fraction_of_link"][method]["4"],
-          figures["busbw"] / link)
+          found["busbw"] / link)
     # Every miss says why, from this run's figures; the ceilings are there
     # (the overlap target is a share of a ceiling already).
     for key, entry in report["targets"].items():
@@ -136,16 +138,16 @@ class AcrossHostsTest(parameterized.TestCase):
                                                  hosts=3)
     self.assertEqual(codes, [0, 0, 0], "\n".join(outs))
     self.assertIsNotNone(report, "\n".join(outs))
-    hosts_lib.validate(report)
+    report_lib.validate_hosts(report)
     self.assertEqual(report["raw"]["hosts"],
                      ["198.18.0.11", "198.18.0.12", "198.18.0.13"])
     self.assertLen(report["raw"]["link"]["by_rank"], 3)
     self.assertLess(report["headline"]["link_bytes_per_s"],
                     _RATES["10gbit"] * 1.05)  # The shaped link, not more.
     for method in hosts_lib.HOSTS_QUICK.methods:
-      figures = report["raw"]["allreduce"]["sweep"][method]["4"]
+      found = report["raw"]["allreduce"]["sweep"][method]["4"]
       # NCCL's bus bandwidth: 2 (n - 1) / n of the algorithm bandwidth.
-      self.assertAlmostEqual(figures["busbw"], figures["algbw"] * 4 / 3)
+      self.assertAlmostEqual(found["busbw"], found["algbw"] * 4 / 3)
     self.assertEqual(report["model_check"]["p"], 3)
     self._check_schedules(
         report, next(o for o in outs if "across 3 workers" in o))
@@ -167,6 +169,12 @@ class AcrossHostsTest(parameterized.TestCase):
 
 def _figures(share: float, seconds: float, busy: float) -> dict:
   return {"busbw": share, "seconds": seconds, "machine_busy": busy}
+
+
+def _explain(key: str, **context) -> dict:
+  """What the registry's explainer of ``key`` says of ``context``."""
+  figure = figures.get(key)
+  return figure.explain(figure, **context)
 
 
 def _sweep(socket: dict, ring: dict, exchange: dict) -> dict:
@@ -205,12 +213,10 @@ class WhyNotTest(parameterized.TestCase):
   )
   def test_allreduce(self, key, socket, ring, exchange, figures, said,
                      unsaid):
-    target = next(t for t in hosts_lib.TARGETS if t.key == key)
     sweep = _sweep(socket, ring, exchange)
     fractions = {m: {s: f["busbw"] for s, f in per.items()}
                  for m, per in sweep.items()}
-    out = hosts_lib.why_not(target, sweep=sweep, fractions=fractions,
-                            training={})
+    out = _explain(key, sweep=sweep, fractions=fractions)
     for name, value in figures.items():
       if isinstance(value, float):
         self.assertAlmostEqual(out[name], value, msg=name)
@@ -231,25 +237,20 @@ class WhyNotTest(parameterized.TestCase):
        ["250 ms with its 100.0 MB all-reduced", "tfdist saved 67% of that"]),
   )
   def test_training(self, speed, link_s, ceiling, said):
-    target = next(t for t in hosts_lib.TARGETS
-                  if t.key == "training_speedup_vs_raw")
     training = {"steps_per_s": speed, "gradient_bytes": 100e6,
                 "link_step_s": 1 / speed["alone"] + link_s}
-    out = hosts_lib.why_not(target, sweep={}, fractions={},
-                            training=training)
+    out = _explain("training_speedup_vs_raw", training=training)
     self.assertAlmostEqual(out["machine_ceiling"], ceiling, places=3)
     for text in said:
       self.assertIn(text, out["why"])
 
   def test_overlap(self):
     # 250 ms with tfdist; 200 ms alone, 100 MB at 1 GB/s: 100 ms.
-    target = next(t for t in hosts_lib.TARGETS
-                  if t.key == "training_fraction_of_overlap_ceiling")
     training = {"steps_per_s": {"raw": 2.0, "tfdist": 4.0, "alone": 5.0},
                 "gradient_bytes": 100e6, "link_step_s": 0.3,
                 "overlap_step_s": 0.2}
-    why = hosts_lib.why_not(target, sweep={}, fractions={},
-                            training=training)["why"]
+    why = _explain("training_fraction_of_overlap_ceiling",
+                   training=training)["why"]
     self.assertIn("a step took 250 ms with tfdist", why)
     self.assertIn("the longer of 200 ms of compute (alone) and 100 ms of its "
                   "100.0 MB over the link: 200 ms, 0.80 of tfdist's step "
@@ -257,22 +258,20 @@ class WhyNotTest(parameterized.TestCase):
     self.assertNotIn("busy", why)  # No shares measured, none said.
     training.update(machine_busy={"raw": 0.9, "tfdist": 0.97, "alone": 0.8},
                     softirq_share={"raw": 0.1, "tfdist": 0.2, "alone": 0.0})
-    why = hosts_lib.why_not(target, sweep={}, fractions={},
-                            training=training)["why"]
+    why = _explain("training_fraction_of_overlap_ceiling",
+                   training=training)["why"]
     self.assertIn("the chief's machine was busy 97% in tfdist's windows "
                   "(softirq 20%), 90% in raw's (softirq 10%), 80% in alone's "
                   "(softirq 0%)", why)
     self.assertIn("Its processors were the limit: with 97% of them busy, "
                   "tfdist's step could be at most 3% faster", why)
     training["machine_busy"]["tfdist"] = 0.5  # Processors to spare.
-    why = hosts_lib.why_not(target, sweep={}, fractions={},
-                            training=training)["why"]
+    why = _explain("training_fraction_of_overlap_ceiling",
+                   training=training)["why"]
     self.assertIn("busy 50% in tfdist's windows", why)
     self.assertNotIn("processors were the limit", why)
 
   def test_overlap_with_a_timeline(self):
-    target = next(t for t in hosts_lib.TARGETS
-                  if t.key == "training_fraction_of_overlap_ceiling")
     training = {"steps_per_s": {"raw": 2.0, "tfdist": 4.0, "alone": 5.0},
                 "gradient_bytes": 100e6, "link_step_s": 0.3,
                 "overlap_step_s": 0.2,
@@ -282,8 +281,8 @@ class WhyNotTest(parameterized.TestCase):
                                      "exposed_s": 0.06,
                                      "bytes_per_s_during": 20e6,
                                      "bytes_per_s_after": 110e6}}
-    why = hosts_lib.why_not(target, sweep={}, fractions={},
-                            training=training)["why"]
+    why = _explain("training_fraction_of_overlap_ceiling",
+                   training=training)["why"]
     self.assertIn("the timeline (median of 5 steps): a 150 ms backward pass "
                   "whose first bucket was ready at 50 ms, 100 ms of buckets on the ring, 0.40 of it during the "
                   "pass, 60 ms after it; the ring moved 20 MB/s in the buckets "
@@ -293,35 +292,38 @@ class WhyNotTest(parameterized.TestCase):
                   "tfdist's step", why)
 
   def test_a_miss_without_a_why_is_refused(self):
-    report = {"headline": {k: 1.0 for k in hosts_lib.HEADLINE_KEYS},
-              "targets": {"training_speedup_vs_raw": {"met": False}},
-              "raw": {"allreduce": {"sweep": {}}}}
-    with self.assertRaisesRegex(report_lib.ReportError,
-                                "training_speedup_vs_raw is not met"):
-      hosts_lib.validate(report)
+    report = _whole_report()
+    report["targets"]["training_speedup_vs_raw"] = {"met": False}
+    with self.assertRaisesRegex(
+        report_lib.ReportError,
+        r"targets.training_speedup_vs_raw.why \(a target not met\) = None"):
+      report_lib.validate_hosts(report)
 
 
 def _drop_model(schedules: dict) -> None:
   del schedules["sizes"]["4096"]["schedules"]["ring"]["model_s"]
 
 
-class ValidateSchedulesTest(parameterized.TestCase):
-  """`hosts.validate` checks the schedules' section's shape."""
+def _whole_report() -> dict:
+  """An across-hosts report `report.validate_hosts` accepts."""
+  seconds = {name: 4.0 for name in socket_ring.SCHEDULES}
+  schedules = schedules_lib.report(raw_figures(
+      seconds={**seconds, schedules_lib.RULE: 4.0}, pick="ring",
+      cpu_s=[0.1, 0.1]))
+  return {"headline": {f.name: 1.0 for f in figures.of("across_hosts")},
+          "targets": {f.name: {"met": True}
+                      for f in figures.of("across_hosts", targeted=True)},
+          "raw": {"allreduce": {"sweep": {}}, "schedules": schedules}}
 
-  def _report(self) -> dict:
-    seconds = {name: 4.0 for name in socket_ring.SCHEDULES}
-    schedules = schedules_lib.report(raw_figures(
-        seconds={**seconds, schedules_lib.RULE: 4.0}, pick="ring",
-        cpu_s=[0.1, 0.1]))
-    return {"headline": {k: 1.0 for k in hosts_lib.HEADLINE_KEYS},
-            "targets": {}, "raw": {"allreduce": {"sweep": {}},
-                                   "schedules": schedules}}
+
+class ValidateSchedulesTest(parameterized.TestCase):
+  """`report.validate_hosts` checks the schedules' section's shape."""
 
   def test_a_whole_section_passes(self):
-    hosts_lib.validate(self._report())
+    report_lib.validate_hosts(_whole_report())
 
   @parameterized.named_parameters(
-      ("missing", dict.clear, "schedules.same_bits = None"),
+      ("missing", dict.clear, "schedules.same_bits = None; expected a bool"),
       ("unknown_pick",
        lambda s: s["sizes"]["4096"]["rule"].update(pick="tree"),
        "schedules.sizes.4096.rule.pick = 'tree'; expected one of"),
@@ -329,13 +331,13 @@ class ValidateSchedulesTest(parameterized.TestCase):
        "schedules.sizes.4096.ring.model_s = None; expected a positive"),
       ("miss_without_why",
        lambda s: s["targets"]["chosen_vs_best"].update(met=False),
-       "schedules.targets.chosen_vs_best is not met and has no why"),
+       r"schedules.targets.chosen_vs_best.why \(a target not met\)"),
   )
   def test_a_broken_section_is_refused(self, breaks, said):
-    report = self._report()
+    report = _whole_report()
     breaks(report["raw"]["schedules"])
     with self.assertRaisesRegex(report_lib.ReportError, said):
-      hosts_lib.validate(report)
+      report_lib.validate_hosts(report)
 
 
 class AcrossHostsInputTest(absltest.TestCase):

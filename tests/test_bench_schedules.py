@@ -83,7 +83,7 @@ def check_report(test: absltest.TestCase, report: dict, *, n: int,
                    max(s["chosen_vs_best"] for s in report["sizes"].values()))
   if large:
     test.assertEqual(targets["busbw_fraction"]["target"],
-                     schedules.busbw_target(n))
+                     ">= 0.95" if n <= 8 else ">= 0.9")
   for key, entry in targets.items():
     if not entry["met"]:  # A miss says how busy the shared cores were.
       test.assertIn(f"share this machine's {report['cores']} cores",
@@ -238,7 +238,7 @@ class ReportTest(parameterized.TestCase):
     self.assertAlmostEqual(size["busy_cores"], sum(cpu_s) / 2.0)
     entry = out["targets"]["busbw_fraction"]
     self.assertEqual((entry["met"], entry["target"], entry["at_kb"]),
-                     (met, 0.95, 4096))
+                     (met, ">= 0.95", 4096))
     for text in said:
       self.assertIn(text, entry["why"])
     if met:

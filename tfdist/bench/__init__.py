@@ -1,12 +1,13 @@
 """`tfdist bench`: tfdist's overhead, scaling, all-reduce, start-up and memory.
 
-Each measurement has its module; `runner` runs them side by side and
-`report` checks and shows the result. ``docs/benchmarks.md`` has the method
+Each measurement has its module; `runner` runs them side by side,
+`figures` is the table of every figure reported (method, target, section)
+and `report` checks and shows the result. ``docs/benchmarks.md`` has the method
 and the figures.
 """
 
-from tfdist.bench.report import HEADLINE_KEYS
-from tfdist.bench.report import TARGETS
+from tfdist.bench.figures import FIGURES
+from tfdist.bench.figures import Figure
 from tfdist.bench.report import ReportError
 from tfdist.bench.report import validate
 from tfdist.bench.runner import FULL
@@ -16,11 +17,11 @@ from tfdist.bench.runner import run
 
 __all__ = [
     "BenchConfig",
+    "FIGURES",
     "FULL",
-    "HEADLINE_KEYS",
+    "Figure",
     "QUICK",
     "ReportError",
-    "TARGETS",
     "run",
     "validate",
 ]

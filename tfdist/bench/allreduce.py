@@ -3,31 +3,13 @@
 `sweep` runs inside every worker of a bench cluster (`cluster_worker`): for
 each tensor size it times a float32 tensor's sum over the workers, in a
 `tf.function` of ``strategy.run`` as training does, by each entry of
-`METHODS`: TensorFlow's collectives sending float32 (``none``, what
-MultiWorkerMirroredStrategy does) or a `tfdist.perf` compression (``fp16``,
-``bf16``), and tfdist's socket transport (`tfdist.strategy.transport`) sending
-float32 (``socket``), float16 (``socket_fp16``) or bfloat16 (``socket_bf16``),
-both summing in float32. ``socket_unaligned`` is ``socket`` with the tensor
-cut 3 values past its middle, as a model whose layer sizes are not multiples
-of 16 packs its gradients (the halves of the others start on 64-byte
-boundaries). ``ring`` and ``ring_bf16`` time the same socket ring called
-directly on numpy buffers, outside TensorFlow: the transport alone, without
-the packing copy and the ``tf.function`` / ``tf.numpy_function`` call;
-``ring_polled`` is ``ring`` with every step moved by one polling thread
-(`tfdist.ring.exchange`), as all steps were before large ones got a sending
-and a receiving thread. ``exchange`` moves the bytes a ring all-reduce of the
-tensor must move (``2 (n - 1) / n`` times its size, each way) over the same
-sockets with no arithmetic (`SocketRing.send_receive`): the ceiling of any
-all-reduce of float32 on this machine. `loopback_bytes_per_s` times one plain
-TCP stream over 127.0.0.1 in the bench's own process: the most one connection
-moves on this machine.
-
-Figures, for a float32 tensor of S bytes reduced in t seconds over n workers:
-
-* algorithm bandwidth ``S / t``: the effective float32 bytes reduced per
-  second, whatever dtype crossed the wire;
-* bus bandwidth ``S / t * 2 (n - 1) / n`` (NCCL's definition): the bytes each
-  worker must move in a ring, comparable across worker counts.
+`METHODS` (TensorFlow's collectives, tfdist's socket transport, the socket
+ring called on numpy buffers, and ``exchange``: the ring's bytes with no
+arithmetic, the ceiling; docs/benchmarks.md, "Method"). For a float32
+tensor of S bytes reduced in t seconds over n workers, the algorithm
+bandwidth is ``S / t`` and the bus bandwidth ``S / t * 2 (n - 1) / n``
+(NCCL's definition). `loopback_bytes_per_s` times one plain TCP stream over
+127.0.0.1: the most one connection moves on this machine.
 """
 
 from __future__ import annotations
@@ -321,7 +303,7 @@ def summarize(sweep_result: dict, loopback: float, *, method: str) -> dict:
       for name, per_size in sweep_result.items()}
   transport, compression = METHODS[method]
   ceiling = fractions.get("exchange")
-  return {"fraction_of_loopback": fractions[method],
+  return {"allreduce_fraction_of_loopback": fractions[method],
           "ceiling_fraction_of_loopback": ceiling,
           "fraction_of_ceiling": (fractions[method] / ceiling
                                   if ceiling else None),

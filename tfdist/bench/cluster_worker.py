@@ -6,41 +6,13 @@ Run by `tfdist.bench.scaling` with TF_CONFIG set, one process per worker:
 
 Every worker runs the same plan; the collectives keep them in step. Worker 0
 prints one JSON line ``{"train": {...}, "allreduce": {...}}``; every worker
-prints ``{"worker": i, "cores": [...]}``, the cores it ran on.
-
-With ``"pin_cores": true`` worker i binds itself (every thread, and so every
-thread started later) to one core, the i-th of the cores it may use, modulo
-their number, once its loops are built and warm: a 1-worker cluster then
-trains on 1 core, and 2 workers on 2 cores do not share one. The all-reduce
-sweep that follows runs unpinned.
-
-With ``"timeline_steps": k`` every variant's model carries a backward-pass
-marker (`tfdist.bench.models.marked`), and after the timed windows the
-``tfdist`` variant trains k more steps while `tfdist.strategy.timeline`
-records them: its result's ``timeline``.
-
-Variants ``alone`` train a model of the worker's own outside the strategy
-(the same model, batch and data, nothing exchanged): the machine's ceiling.
-With ``"alone_steps": k`` every worker then times k single steps of each
-``alone`` variant, one call each, and prints ``{"worker": i,
-"alone_steps_s": {model: [...]}}``: a synchronous step waits for the
-slowest worker, and these times say how much slower that is than the
-average step (`tfdist.bench.scaling`). Worker 0's line also holds
-``gradients_allreduce_s``: one all-reduce of each such model's gradients
-(float32 tensors of its variables' shapes) by the socket transport, timed
-alone on the same pinned cores.
-Variants ``raw`` are hand-written tf.distribute code (a `tf.function` loop of
-``strategy.run`` with a plain Keras optimizer that reduces the loss every
-step, as TensorFlow's custom-loop tutorial does); the others run
-`tfdist.Runner` with `tfdist.perf.with_gradient_options`. They track the loss
-with a Keras ``Mean`` metric, which the Runner reduces once per loop, unless
-the variant says ``"loss_each_step": true`` (the step returns the loss and
-the Runner reduces it every step: one more collective per step). The strategy is
-built once (a process joins one cluster) by `tfdist.make_strategy` with
-``transport="collective"``, which is exactly
-``tf.distribute.MultiWorkerMirroredStrategy`` with default communication
-options (what ``raw`` measures); options that differ, the socket transport
-included, are given per optimizer.
+prints ``{"worker": i, "cores": [...]}``, the cores it ran on, and with
+``alone_steps`` its single ``alone`` steps' seconds. The variants (``raw``,
+``tfdist``, ``alone``), core pinning and the timeline are described in
+docs/benchmarks.md ("Method"). The strategy is built once (a process joins
+one cluster) with ``transport="collective"``: exactly
+``tf.distribute.MultiWorkerMirroredStrategy`` as ``raw`` measures it;
+options that differ are given per optimizer.
 """
 
 from __future__ import annotations

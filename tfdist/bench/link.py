@@ -1,30 +1,17 @@
 """The raw link between a cluster's hosts: plain TCP streams, both ways at once.
 
-What an all-reduce between hosts is measured against. Each worker opens one
-TCP connection to its right neighbour in the ring (the order of
-`tfdist.strategy.transport`'s socket ring: chief first, then the workers) and
-accepts one from its left neighbour; all of them then send for ``seconds``
-while they receive, as a ring all-reduce does, with blocking ``sendall`` and
-``recv_into`` of large chunks: the most a plain stream moves, with no
-arithmetic and no framing. A worker's rate is the bytes it received over the
-time from its first chunk to its last; the link of the ring is the slowest
-worker's rate (a ring moves at its slowest hop). Worker counts share one
-rule with the all-reduce: with two workers the right and left neighbour are
-the same, so both directions of the one link are loaded at once.
+What an all-reduce between hosts is measured against. Each worker connects
+to its right neighbour in the ring (`tfdist.strategy.transport`'s order)
+and accepts its left one; all then send zeros for ``seconds`` while they
+receive, with blocking ``sendall`` / ``recv_into`` of large chunks. A
+worker's rate is the bytes it received from its first chunk to its last;
+the link is the slowest worker's rate. Then a small token goes round the
+ring (`hop_latency`): the median round over the hops is alpha, one hop's
+latency (`tfdist.bench.projection`).
 
-Then a token of a few bytes goes round the ring over fresh connections,
-each worker passing it on as soon as it is in (`hop_latency`): the median
-round's time over the number of hops is the latency of one hop, the alpha of the
-alpha-beta cost model (`tfdist.bench.projection`), from the same hosts and
-the same kind of Python socket calls as the ring's.
-
-The addresses are exchanged through a `Rendezvous` (TensorFlow's
-coordination service under a strategy). Every connection starts with the
-key of the measurement and the sender's rank; anything else that connects is
-dropped, so a stray connection cannot pose as the neighbour's stream. What
-is sent is zeros: nothing of the job crosses.
-
-No TensorFlow here.
+Addresses go through a `Rendezvous`; every connection starts with the
+measurement's key and the sender's rank, and anything else is dropped. No
+TensorFlow here.
 """
 
 from __future__ import annotations

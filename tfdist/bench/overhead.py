@@ -25,7 +25,8 @@ TOLD_APART_P = 0.05
 
 def measure(*, batch: int, cnn_batch: int, steps: int, warmup_steps: int,
             rounds: int, timeout_s: float, quick: bool = False) -> dict:
-  """Returns ``{"cases", "options", "overhead_ratio"}``.
+  """Returns ``{"cases", "options", "overhead_ratio", "overhead_by_case",
+  "flight_recorder_ratio"}``.
 
   Each case and option: ``steps_per_s`` and ``baseline_steps_per_s`` (the
   medians of the windows), their ``ratio``, and ``windows`` (`spread`).
@@ -44,7 +45,9 @@ def measure(*, batch: int, cnn_batch: int, steps: int, warmup_steps: int,
        for name, w in result[part].items()}
       for part in ("overhead", "options"))
   return {"cases": cases, "options": options,
-          "overhead_ratio": min(c["ratio"] for c in cases.values())}
+          "overhead_ratio": min(c["ratio"] for c in cases.values()),
+          "overhead_by_case": {c: f["ratio"] for c, f in cases.items()},
+          "flight_recorder_ratio": options["flight_recorder"]["ratio"]}
 
 
 def _figures(variant_s: list[float], baseline_s: list[float],

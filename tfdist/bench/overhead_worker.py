@@ -4,25 +4,12 @@ Run by `tfdist.bench.overhead` in a fresh process:
 
   python -m tfdist.bench.overhead_worker --spec '{...}'
 
-The CPU is split into 2 logical devices and every case runs under a
-2-replica MirroredStrategy: tfdist's (`tfdist.make_strategy("mirrored")`) or
-one built by hand (``tf.distribute.MirroredStrategy``). Each case pairs a
-tfdist path with hand-written code for the same model, data and strategy:
-
-| case      | tfdist                        | raw (hand-built strategy)     |
-|-----------|-------------------------------|-------------------------------|
-| fit       | `tfdist.fit`                  | ``model.fit``                 |
-| keras_fit | ``model.fit``, tfdist strategy| ``model.fit``                 |
-| runner    | `tfdist.Runner`               | `tf.function` loop of ``run`` |
-
-Options (each a ratio of a variant over its baseline, same process):
-``steps_per_execution`` (8 over 1, tfdist.fit), ``xla`` (jit_compile over
-none, default strategy: Keras switches XLA off under Mirrored),
-``autotune`` (a parallel map + AUTOTUNE prefetch over a serial pipeline),
-and ``flight_recorder`` (``model.fit`` under tfdist's strategy with the
-flight recorder over without it, `tfdist._flight`: its cost on a step of a
-few milliseconds, where it weighs most).
-Timing windows of the variants alternate. Prints one JSON line: every
+The CPU is split into 2 logical devices; each case pairs a tfdist path
+(``fit``: `tfdist.fit`; ``keras_fit``: ``model.fit`` under tfdist's
+strategy; ``runner``: `tfdist.Runner`) with hand-written code under a
+hand-built ``tf.distribute.MirroredStrategy``, and each option a variant
+with its baseline (``steps_per_execution``, ``xla``, ``autotune``,
+``flight_recorder``), in alternating windows. Prints one JSON line: every
 window's seconds (`tfdist.bench.overhead` makes the figures).
 """
 

@@ -1,11 +1,12 @@
 """The bench plots: throughput against workers, bandwidth against size, the
-model's efficiency against hosts (``tfdist bench --project --plot``), and
-the all-reduce schedules' times against their model by host count."""
+model's efficiency against hosts (``tfdist bench --project --plot``), the
+all-reduce schedules' times against their model by host count, and the
+bench across hosts' bandwidth against the link and its timeline."""
 
 from __future__ import annotations
 
 __all__ = ["write_plot", "write_projection_plot", "write_schedules_plot",
-           "pyplot", "METHOD_LABELS"]
+           "write_hosts_plot", "pyplot", "METHOD_LABELS"]
 
 
 _LINES = {"raw": "--", "tfdist": "-", "alone": ":"}
@@ -138,3 +139,66 @@ def write_schedules_plot(reports: dict[str, dict], path: str) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
+
+
+def write_hosts_plot(reports: dict[str, dict], path: str) -> None:
+  """One panel per report (e.g. per link rate): bus bandwidth / link by size.
+
+  Args:
+    reports: label -> across-hosts report.
+    path: the PNG to write (needs matplotlib).
+  """
+  plt = pyplot()
+  rows = 1 + any(r["raw"]["training"].get("timeline") for r in reports.values())
+  fig, axes = plt.subplots(rows, len(reports),
+                           figsize=(5.5 * len(reports), 4.2 * rows),
+                           squeeze=False)
+  for ax, report in zip(axes[-1], reports.values()):
+    if rows > 1:
+      _plot_timeline(ax, report["raw"]["training"].get("timeline") or [])
+  for ax, (label, report) in zip(axes[0], reports.items()):
+    fractions = report["raw"]["allreduce"]["fraction_of_link"]
+    for method, per_size in fractions.items():
+      sizes = sorted(per_size, key=float)
+      ax.plot([float(s) for s in sizes], [per_size[s] for s in sizes],
+              marker="o", label=METHOD_LABELS.get(method, method))
+    ax.axhline(1.0, color="black", linestyle=":", label="the link (TCP)")
+    speed = report["raw"]["training"]["steps_per_s"]
+    ceiling = report["headline"].get("training_overlap_ceiling_vs_raw")
+    ax.set(xlabel="tensor size (MiB, float32)", ylabel="bus bandwidth / link")
+    ax.set_title(
+        f"{label}: link {report['headline']['link_bytes_per_s'] / 1e6:.0f} "
+        f"MB/s; {report['raw']['training']['model']} "
+        f"x{speed['tfdist'] / speed['raw']:.2f}"
+        + (f" (overlapped, at most x{ceiling:.2f})" if ceiling else ""),
+        fontsize=9)
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def _plot_timeline(ax, steps: list[dict], shown: int = 3) -> None:
+  """The last ``shown`` recorded steps of tfdist's training, one above the
+  other: the backward pass, and each bucket waiting (pale) and on the ring."""
+  for row, step in enumerate(steps[-shown:]):
+    y = row * (len(step["buckets"]) + 2)
+    start, end = step["backward_s"]
+    ax.barh(y, (end - start) * 1e3, left=start * 1e3, color="grey",
+            label="backward pass" if row == 0 else None)
+    for b in step["buckets"]:
+      at = y + 1 + b["bucket"]
+      ax.barh(at, (b["began"] - b["ready"]) * 1e3, left=b["ready"] * 1e3,
+              color="tab:blue", alpha=0.3,
+              label="bucket ready, waiting" if row == b["bucket"] == 0
+              else None)
+      ax.barh(at, (b["ended"] - b["began"]) * 1e3, left=b["began"] * 1e3,
+              color="tab:blue",
+              label=f"bucket on the ring ({len(step['buckets'])} a step)"
+              if row == b["bucket"] == 0 else None)
+  ax.invert_yaxis()
+  ax.set(xlabel="ms from the backward pass's start", yticks=[],
+         title=f"tfdist's last {min(shown, len(steps))} recorded steps")
+  if steps:
+    ax.legend(fontsize=7)

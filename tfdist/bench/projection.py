@@ -1,49 +1,33 @@
 """Time per step against host count, on paper: the alpha-beta cost model.
 
-A message of m bytes between two hosts costs ``alpha + m / B``: ``alpha``
-the latency of one hop (what a small message costs end to end: the kernel,
-the switch and the Python calls on both sides), ``B`` the bytes per second
-one host's link moves each way. Every host has one full-duplex link into a
-non-blocking switch, so a schedule's time is its latency terms plus the
-bytes the busiest host sends (or receives) over ``B``. The schedules are
-tfdist's socket ring's own (`tfdist.ring.socket_ring.SCHEDULES`, each
-module's ``seconds`` its model): for an all-reduce of S bytes over p hosts
+A message of m bytes between two hosts costs ``alpha + m / B`` (``alpha``
+one hop's latency, ``B`` one host's link rate each way; a non-blocking
+switch). The schedules are the socket ring's own
+(`tfdist.ring.socket_ring.SCHEDULES`, each module's ``seconds``); for an
+all-reduce of S bytes over p hosts:
 
-* **ring** (reduce-scatter then all-gather, as NCCL's ring):
-  ``2 (p - 1) alpha + 2 (p - 1) / p * S / B``;
-* **halving** (Rabenseifner's recursive halving, then doubling):
-  ``2 log2 p alpha + 2 (p - 1) / p * S / B`` for p a power of two;
-* **doubling** (recursive doubling): ``log2 p (alpha + S / B)``;
+* **ring**: ``2 (p - 1) alpha + 2 (p - 1) / p * S / B``;
+* **halving** (then doubling): ``2 log2 p alpha + 2 (p - 1) / p * S / B``
+  for p a power of two;
+* **doubling**: ``log2 p (alpha + S / B)``;
 
-and **tfdist**, the one the socket ring's rule picks for the size and host
-count (`tfdist.ring.socket_ring.choose`, with its default link).
+and **tfdist**, the rule's pick (`tfdist.ring.socket_ring.choose`).
 
-A training step (weak scaling: the same batch per host) runs its forward
-pass, its backward pass, then the update. tfdist's transport cuts the
-gradients into buckets (`DEFAULT_BUCKET_BYTES`) and all-reduces each as
-soon as the backward pass has made it, one after the other, while the pass
-goes on (`tfdist.strategy.buckets`). With the bucket bytes made at an even
-rate over the pass (bucket k ready at ``backward * (bytes up to k) / S``),
-the last sum ends at ``f_K``, where ``f_0 = 0`` and ``f_k = max(f_(k-1),
-ready_k) + T(bucket k)``; the step is the compute outside the backward pass
-plus that (`overlapped_seconds`)::
+A step (weak scaling) all-reduces its gradients in buckets
+(`DEFAULT_BUCKET_BYTES`) as the backward pass makes them: bucket k is ready
+at ``backward * (bytes up to k) / S``, its sum ends at ``f_k = max(f_(k-1),
+ready_k) + T(bucket k)``, and (`overlapped_seconds`)::
 
   T_step(p) = compute - backward + f_K        (T_step(1) = compute)
 
-``steps/s = 1 / T_step`` and scaling efficiency ``T_step(1) / T_step(p)``.
-``serial_s`` is the step without overlap, compute plus one all-reduce of
-all the gradients, for comparison.
-
-No TensorFlow here: `tfdist bench --project` prints `format_table` of
-`project`; `check` sets a measured all-reduce sweep beside the model's
-prediction from the alpha and B measured in the same run, and
-`check_training` a measured step beside ``T_step`` from the same run's
-compute, backward pass, buckets and link (``tfdist bench --across-hosts``).
+Efficiency is ``T_step(1) / T_step(p)``; ``serial_s`` is compute plus one
+all-reduce of all the gradients. `check` and `check_training` set measured
+all-reduces and steps beside the model, from the same run's alpha and B
+(``tfdist bench --across-hosts``); `project` is ``tfdist bench --project``.
 
 Example::
 
   link = link_at(10)                      # 10 Gbit/s, DEFAULT_LATENCY_S
-  allreduce_seconds("ring", 8, WIDE_MLP.gradient_bytes, link)
   step(WIDE_MLP, p=8, link=link).steps_per_s  # tfdist's pick, overlapped
 """
 

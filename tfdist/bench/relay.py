@@ -1,23 +1,14 @@
 """A latency relay: every chunk crossing a link is held for a set time.
 
-The test bed shapes its links' rate with ``tc tbf``; the kernel here has no
-netem, so a link's latency is added in user space instead. A `Relay` is one
-process on a rank's host (selectors, no TensorFlow, no threads): for each
-listening port it is asked to serve (`Relay.forward`) it listens beside it,
-on the same address, and for each connection it accepts it dials the real
-port and copies both ways, sending each chunk it read no earlier than
-``delay_s`` after it arrived and in the order it arrived. A peer that dials
-the relay's port instead of the real one therefore sees every message held
-``delay_s`` one way, on top of the relay's own cost (one more copy through a
-Python process, measured by the sweep that uses it:
-`tfdist.bench.schedules`). A closed side is passed on once what it sent has
-been delivered.
-
-The process reads requests on its stdin, one a line, ``PORT DELAY_S``, and
-answers each with its relay port on stdout; it ends when its stdin closes.
-It waits with ``select`` (microsecond timeouts; epoll rounds them up to
-milliseconds) and asks the kernel for 1 us of timer slack (50 us by
-default), so a delay of 25 us is not one of 75.
+The kernel here has no netem, so a link's latency is added in user space.
+A `Relay` is one process on a rank's host (selectors, no threads): for each
+port it is asked to serve (`Relay.forward`) it listens beside it and, for
+each connection, dials the real port and copies both ways, sending each
+chunk no earlier than ``delay_s`` after it arrived, in order. Its own cost
+is measured by the sweep that uses it (`tfdist.bench.schedules`). It reads
+``PORT DELAY_S`` lines on stdin, answers each with its relay port, and ends
+when stdin closes; it asks the kernel for 1 us of timer slack, so 25 us is
+not 75.
 
 Example::
 

@@ -1,245 +1,137 @@
-"""The bench report: headline ratios, targets, raw figures; checked and shown.
+"""The bench's reports checked and shown: one machine's and across hosts.
 
-`validate` is what CI relies on: ``tfdist bench --quick`` must produce a
-report whose keys and types are right. It asserts no speed.
+`build` assembles the one-machine report. `validate` and `validate_hosts`
+are what CI relies on: a report's keys and types, read from the figures'
+table (`tfdist.bench.figures`). They assert no speed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import operator
-import statistics
-from typing import Any, Callable
+from typing import Any
 
-from tfdist.bench import overhead as overhead_lib
+from tfdist.bench import figures
 from tfdist.errors import TfdistError
+from tfdist.ring import socket_ring
 
-__all__ = ["HEADLINE_KEYS", "TARGETS", "Target", "ReportError", "build",
-           "validate", "format_table"]
+__all__ = ["ReportError", "build", "validate", "validate_hosts",
+           "format_table", "format_hosts"]
 
 
 class ReportError(TfdistError):
   """A bench report that lacks a key or holds a value of the wrong type."""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Target:
-  """A goal for a headline figure.
-
-  Attributes:
-    key: the report key (for a per-model key, ``key.model``).
-    bound: the value to reach.
-    higher_is_better: ``>=`` when true, ``<=`` otherwise.
-  """
-  key: str
-  bound: float
-  higher_is_better: bool = True
-
-  @property
-  def text(self) -> str:
-    return f"{'>=' if self.higher_is_better else '<='} {self.bound:g}"
-
-  def met(self, value: float) -> bool:
-    compare: Callable[[float, float], bool] = (
-        operator.ge if self.higher_is_better else operator.le)
-    return compare(value, self.bound)
-
-
-#: The issue's targets, for ratios measured within one run.
-TARGETS: tuple[Target, ...] = (
-    Target(key="overhead_ratio", bound=0.98),
-    Target(key="scaling_efficiency.cnn", bound=0.9),
-    Target(key="mlp_speedup_vs_raw", bound=1.5),
-    Target(key="allreduce_fraction_of_loopback", bound=0.5),
-    Target(key="startup_ratio", bound=1.2, higher_is_better=False),
-    Target(key="memory_ratio", bound=1.1, higher_is_better=False),
-    Target(key="flight_recorder_ratio", bound=0.99),
-)
-
-#: Headline keys and their types (a dict maps model name to float).
-HEADLINE_KEYS: dict[str, type] = {
-    "overhead_ratio": float,
-    "overhead_by_case": dict,
-    "scaling_efficiency": dict,
-    "mlp_speedup_vs_raw": float,
-    "allreduce_fraction_of_loopback": float,
-    "startup_ratio": float,
-    "memory_ratio": float,
-    "flight_recorder_ratio": float,
-}
-
-_SECTIONS = ("overhead", "options", "scaling", "allreduce", "startup",
-             "memory")
-
-
-def _lookup(report: dict, dotted: str) -> Any:
-  value: Any = report
-  for part in dotted.split("."):
-    value = value[part]
-  return value
-
-
 def build(*, overhead: dict, scaling: dict, allreduce: dict, startup: dict,
           memory: dict, config: dict, machine: dict) -> dict:
-  """Assembles the report from each measurement's result."""
+  """Assembles the report from each measurement's result: the headline
+  figures (`tfdist.bench.figures`, read at their ``name`` in the results),
+  each target scored, and the raw figures."""
+  results = {"overhead": overhead, "scaling": scaling,
+             "allreduce": allreduce, "startup": startup, "memory": memory,
+             "options": overhead["options"]}
   report: dict[str, Any] = {
-      "overhead_ratio": overhead["overhead_ratio"],
-      "overhead_by_case": {c: f["ratio"] for c, f in overhead["cases"].items()},
-      "scaling_efficiency": scaling["scaling_efficiency"],
-      "mlp_speedup_vs_raw": scaling["mlp_speedup_vs_raw"],
-      "allreduce_fraction_of_loopback": allreduce["fraction_of_loopback"],
-      "startup_ratio": startup["startup_ratio"],
-      "memory_ratio": memory["memory_ratio"],
-      "flight_recorder_ratio": overhead["options"]["flight_recorder"]["ratio"],
-  }
-  # What this machine allows, measured in the same run: N processes training
-  # alone (nothing exchanged), and the bytes an all-reduce must move sent
-  # over the same sockets with no arithmetic.
-  ceilings = {
-      **{f"scaling_efficiency.{m}": v
-         for m, v in scaling.get("scaling_ceiling", {}).items()},
-      "allreduce_fraction_of_loopback": allreduce.get(
-          "ceiling_fraction_of_loopback"),
-  }
-  evidence = {"overhead_ratio": _overhead_evidence(overhead["cases"]),
-              "allreduce_fraction_of_loopback": _allreduce_evidence(allreduce),
-              **{f"scaling_efficiency.{m}": _straggler_evidence(
-                  s, scaling["scaling_sync_ceiling"][m],
-                  scaling["scaling_allreduce_ceiling"][m],
-                  report["scaling_efficiency"][m])
-                 for m, s in scaling.get("straggler", {}).items()}}
-  report["targets"] = {}
-  for t in TARGETS:
-    value = _lookup(report, t.key)
-    entry = {"target": t.text, "value": value, "met": t.met(value)}
-    if ceilings.get(t.key):
-      entry["machine_ceiling"] = ceilings[t.key]
-      entry["share_of_ceiling"] = value / ceilings[t.key]
-    if not entry["met"]:
-      entry["short_by"] = abs(t.bound - value)
-      entry["why"] = _why(t, value, ceilings.get(t.key), evidence.get(t.key))
-    report["targets"][t.key] = entry
-  report["raw"] = {"overhead": overhead["cases"],
-                   "options": overhead["options"], "scaling": scaling,
-                   "allreduce": allreduce, "startup": startup,
-                   "memory": memory}
+      f.name: figures.lookup(results[f.section], f.name)
+      for f in figures.of("one_host", headline=True)}
+  report["targets"] = {
+      f.name: figures.score(f, figures.lookup(report, f.name), **results)
+      for f in figures.of("one_host", targeted=True)}
+  report["raw"] = {**results, "overhead": overhead["cases"]}
   report["config"] = config
   report["machine"] = machine
   return report
 
 
-def _overhead_evidence(cases: dict) -> str:
-  """Whether each case's windows tell tfdist from raw (`overhead.spread`)."""
-  parts = []
-  for name, figures in cases.items():
-    w = figures["windows"]
-    parts.append(f"{name} {figures['ratio']:.3f}, its windows "
-                 f"{w['min']:.3f}-{w['max']:.3f} of raw's (median "
-                 f"{w['median']:.3f}, {w['above_one']} of {len(w['ratios'])} "
-                 f"above 1, sign test p {w['sign_test_p']:.2f})")
-  apart = [n for n, f in cases.items() if f["windows"]["told_apart"]]
-  verdict = (f"told apart from raw: {', '.join(apart)}" if apart else
-             "no case told apart from raw (sign test p < "
-             f"{overhead_lib.TOLD_APART_P:g} needed)")
-  return "; ".join(parts) + f"; {verdict}"
-
-
-def _allreduce_evidence(allreduce: dict) -> str | None:
-  """What the sweep says of the headline method's gap to its ceiling.
-
-  The same ring called without TensorFlow (``ring``), and how busy the
-  machine's processors were while the headline method ran.
-  """
-  parts = []
-  ring = allreduce.get("fractions", {}).get("ring")
-  if ring:
-    parts.append(f"the same ring without TensorFlow reached {ring:.3f}")
-  method = allreduce.get("method")
-  busy = [f["machine_busy"] for f in
-          allreduce.get("sweep", {}).get(method, {}).values()
-          if "machine_busy" in f]
-  if busy:
-    parts.append(f"the machine was {statistics.median(busy):.0%} busy "
-                 f"during {method} (median over sizes)")
-  return "; ".join(parts) or None
-
-
-def _straggler_evidence(straggler: dict, sync_ceiling: float,
-                        allreduce_ceiling: float, value: float) -> str:
-  """What waiting for the slowest worker and the all-reduce leave of the
-  ceiling (`tfdist.bench.scaling`)."""
-  mean = straggler["mean_step_s"]
-  return (f"a synchronous step waits for the slowest of "
-          f"{straggler['workers']} workers: their own steps, timed one by "
-          f"one, took {mean * 1e3:.1f} ms on average and each step's "
-          f"slowest {mean / straggler['sync_factor'] * 1e3:.1f} ms (ceiling "
-          f"{sync_ceiling:.3f}); one all-reduce of the gradients, timed "
-          f"alone, took {straggler['gradients_allreduce_s'] * 1e3:.2f} ms "
-          f"(ceiling {allreduce_ceiling:.3f}); tfdist reached "
-          f"{value / allreduce_ceiling:.2f} of that")
-
-
-def _why(target: Target, value: float, ceiling: float | None,
-         evidence: str | None = None) -> str:
-  """One line on a missed target, from the figures measured beside it."""
-  if ceiling is None:
-    line = "no ceiling measured for this figure; see docs/benchmarks.md"
-  elif not target.met(ceiling):
-    line = (f"out of reach on this machine in this run: its ceiling was "
-            f"{ceiling:.3f}; tfdist reached {value / ceiling:.2f} of it")
-  else:
-    line = (f"the machine allowed {ceiling:.3f} in this run; tfdist reached "
-            f"{value / ceiling:.2f} of it")
-  return f"{line}; {evidence}" if evidence else line
-
-
 def validate(report: dict) -> None:
-  """Checks keys and types (never speed).
+  """Checks a one-machine report's keys and types.
 
   Raises:
     ReportError: naming the first key missing or of the wrong type.
   """
-  def fail(key: str, what: str) -> None:
-    raise ReportError(f"bench report {key}: {what}")
+  _figures(report, "one_host", lambda key: report.get(key))
+  for section in {f.section for f in figures.of("one_host")}:
+    expect(report.get("raw", {}).get(section), dict, f"raw.{section}")
+  for name, case in report["raw"]["overhead"].items():
+    windows = case.get("windows", {})
+    where = f"raw.overhead.{name}.windows"
+    expect(windows.get("ratios"), list, f"{where}.ratios")
+    for ratio in windows["ratios"]:
+      expect(ratio, float, f"{where}.ratios")
+    expect(windows.get("told_apart"), bool, f"{where}.told_apart")
+  expect(report.get("config"), dict, "config")
 
-  for key, kind in HEADLINE_KEYS.items():
-    if key not in report:
-      fail(key, "missing")
-    value = report[key]
-    if kind is float:
-      if not isinstance(value, (int, float)) or isinstance(value, bool) or (
-          not math.isfinite(value) or value <= 0):
-        fail(key, f"expected a positive finite number, got {value!r}")
-    elif not isinstance(value, dict) or not value or not all(
-        isinstance(v, float) and math.isfinite(v) and v > 0
-        for v in value.values()):
-      fail(key, f"expected a non-empty dict of positive numbers, got {value!r}")
-  for t in TARGETS:
-    entry = report.get("targets", {}).get(t.key)
-    if not isinstance(entry, dict) or not isinstance(entry.get("met"), bool):
-      fail(f"targets.{t.key}", "missing or without a boolean 'met'")
-    if "machine_ceiling" in entry:
-      ceiling = entry["machine_ceiling"]
-      if not isinstance(ceiling, (int, float)) or not (
-          math.isfinite(ceiling) and ceiling > 0):
-        fail(f"targets.{t.key}.machine_ceiling",
-             f"expected a positive finite number, got {ceiling!r}")
-  for section in _SECTIONS:
-    if not isinstance(report.get("raw", {}).get(section), dict):
-      fail(f"raw.{section}", "missing")
-  for name, figures in report["raw"]["overhead"].items():
-    windows = figures.get("windows", {})
-    ratios = windows.get("ratios")
-    if not isinstance(ratios, list) or not ratios or not all(
-        isinstance(r, float) and math.isfinite(r) and r > 0 for r in ratios):
-      fail(f"raw.overhead.{name}.windows.ratios",
-           f"expected a non-empty list of positive numbers, got {ratios!r}")
-    if not isinstance(windows.get("told_apart"), bool):
-      fail(f"raw.overhead.{name}.windows.told_apart",
-           f"expected a boolean, got {windows.get('told_apart')!r}")
-  if not isinstance(report.get("config"), dict):
-    fail("config", "missing")
+
+def validate_hosts(report: dict) -> None:
+  """Checks an across-hosts report's keys and types, and that every target
+  missed says why.
+
+  Raises:
+    ReportError: naming the first key missing or of the wrong type.
+  """
+  headline = report.get("headline", {})
+  _figures(report, "across_hosts", headline.get)
+  schedules = report["raw"].get("schedules") or {}
+  for where, targets in (("targets", report.get("targets", {})),
+                         ("schedules.targets", schedules.get("targets", {}))):
+    for key, entry in targets.items():
+      _entry(entry, f"{where}.{key}")
+  for method, per_size in report["raw"]["allreduce"]["sweep"].items():
+    for size, found in per_size.items():
+      for key in ("seconds", "algbw", "busbw"):
+        expect(found.get(key), float, f"sweep.{method}.{size}.{key}")
+  expect(schedules.get("same_bits"), bool, "schedules.same_bits")
+  expect(schedules.get("sizes"), dict, "schedules.sizes")
+  for kb, size in schedules["sizes"].items():
+    for name in socket_ring.SCHEDULES:
+      row = size["schedules"].get(name, {})
+      for key in ("measured_s", "model_s"):
+        expect(row.get(key), float, f"schedules.sizes.{kb}.{name}.{key}")
+    expect(size["chosen_vs_best"], float,
+           f"schedules.sizes.{kb}.chosen_vs_best")
+    if size["rule"]["pick"] not in socket_ring.SCHEDULES:
+      raise ReportError(
+          f"bench report: schedules.sizes.{kb}.rule.pick = "
+          f"{size['rule']['pick']!r}; expected one of "
+          f"{sorted(socket_ring.SCHEDULES)}")
+
+
+def _figures(report: dict, bench: str, headline) -> None:
+  """``bench``'s headline figures (read by ``headline(name)``) and targets."""
+  for f in figures.of(bench, headline=True):
+    expect(headline(f.name), f.kind, f.name)
+    if f.kind is dict:
+      for key, value in headline(f.name).items():
+        expect(value, float, f"{f.name}.{key}")
+  for f in figures.of(bench, targeted=True):
+    _entry(report.get("targets", {}).get(f.name), f"targets.{f.name}")
+
+
+def _entry(entry: Any, where: str) -> None:
+  """A scored target: ``met``, a ``why`` when missed, a positive ceiling."""
+  expect(entry, dict, where)
+  expect(entry.get("met"), bool, f"{where}.met")
+  if not entry["met"]:
+    expect(entry.get("why"), str, f"{where}.why (a target not met)")
+  if "machine_ceiling" in entry:
+    expect(entry["machine_ceiling"], float, f"{where}.machine_ceiling")
+
+
+def expect(value: Any, kind: type, where: str) -> None:
+  """Refuses ``value`` at ``where`` unless it is a ``kind``: a positive
+  finite number for float, a non-empty one for dict, list and str.
+
+  Raises:
+    ReportError: naming ``where``, the value and what was expected.
+  """
+  if kind is float:
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and value > 0)
+  else:
+    ok = isinstance(value, kind) and (kind is bool or bool(value))
+  if not ok:
+    what = {float: "a positive finite number", bool: "a boolean"}.get(
+        kind, f"a non-empty {kind.__name__}")
+    raise ReportError(f"bench report: {where} = {value!r}; expected {what}")
 
 
 def format_table(report: dict) -> str:
@@ -258,10 +150,88 @@ def format_table(report: dict) -> str:
   rows += ["", "| overhead case | tfdist / raw | windows min / median / max "
            "| above 1 | sign test p | told apart |",
            "|---|---|---|---|---|---|"]
-  for name, figures in report["raw"]["overhead"].items():
-    w = figures["windows"]
-    rows.append(f"| {name} | {figures['ratio']:.3f} | {w['min']:.3f} / "
+  for name, case in report["raw"]["overhead"].items():
+    w = case["windows"]
+    rows.append(f"| {name} | {case['ratio']:.3f} | {w['min']:.3f} / "
                 f"{w['median']:.3f} / {w['max']:.3f} | {w['above_one']} of "
                 f"{len(w['ratios'])} | {w['sign_test_p']:.2f} | "
                 f"{'yes' if w['told_apart'] else 'no'} |")
   return "\n".join(rows)
+
+
+def format_hosts(report: dict) -> str:
+  """The headline and the sweep as text, one figure per line."""
+  h = report["headline"]
+  raw = report["raw"]
+  lines = [f"across {raw['workers']} workers on {', '.join(raw['hosts'])}: "
+           f"link {h['link_bytes_per_s'] / 1e6:.0f} MB/s (TCP streams)"]
+  for f in figures.of("across_hosts")[1:]:  # The link is said above.
+    lines += (_target_lines(f.name, report["targets"][f.name])
+              if f.target is not None else [f"  {f.name:<36} {h[f.name]:7.3f}"])
+  lines.append("  bus bandwidth / link, by tensor size (MiB):")
+  fractions = raw["allreduce"]["fraction_of_link"]
+  sizes = sorted(next(iter(fractions.values())), key=float)
+  lines.append("    " + f"{'method':<14}" + "".join(f"{s:>8}" for s in sizes))
+  for method, per_size in fractions.items():
+    lines.append("    " + f"{method:<14}" +
+                 "".join(f"{per_size[s]:8.3f}" for s in sizes))
+  sweep = raw["allreduce"]["sweep"]
+  if all("cpu_per_wall" in f for m in sweep.values() for f in m.values()):
+    lines.append("  the chief's CPU seconds per second, by tensor size (MiB):")
+    for method, per_size in sweep.items():
+      lines.append("    " + f"{method:<14}" + "".join(
+          f"{per_size[s]['cpu_per_wall']:8.2f}" for s in sizes))
+  p = raw["processor"]
+  lines.append(f"  processor s a GB sent at {p['size_mb']} MiB: ring "
+               f"{p['ring_cpu_s_per_gb_wire']:.2f} "
+               f"({p['ring_cpu_s_per_gb_reduced']:.2f} a GB reduced), TCP "
+               f"stream {p['tcp_cpu_s_per_gb']:.2f}" + (
+                   f", exchange {p['exchange_cpu_s_per_gb_wire']:.2f}"
+                   if "exchange_cpu_s_per_gb_wire" in p else ""))
+  speed = raw["training"]["steps_per_s"]
+  lines.append(f"  {raw['training']['model']} steps/s: " + ", ".join(
+      f"{v} {s:.2f}" for v, s in speed.items()))
+  lines += _schedules_lines(raw["schedules"])
+  model = report.get("model_check")
+  if model:
+    lines.append(f"  model (alpha {model['latency_s'] * 1e6:.1f} us a "
+                 f"hop, the link): measured / predicted time, by size:")
+    for size, row in sorted(model["by_size"].items(),
+                            key=lambda kv: float(kv[0])):
+      lines.append(f"    {size:>6} MiB  {row['schedule']} predicted "
+                   f"{row['predicted_s'] * 1e3:8.2f} ms  " + "  ".join(
+                       f"{m} {v['measured_over_predicted']:.2f}"
+                       for m, v in row.items() if isinstance(v, dict)))
+    step = model.get("training")
+    if step:
+      lines.append(f"    a step: predicted {step['predicted_s'] * 1e3:.1f} ms"
+                   f" (overlapped; {step['serial_s'] * 1e3:.1f} without), "
+                   f"measured {step['measured_s'] * 1e3:.1f} ms: "
+                   f"{step['measured_over_predicted']:.2f}")
+  return "\n".join(lines)
+
+
+def _schedules_lines(schedules: dict) -> list[str]:
+  """Each size's schedules, measured / model (ms), the rule's pick and its
+  time over the fastest's; the sweep's targets."""
+  lines = [f"  schedules (numpy buffers; model from alpha "
+           f"{schedules['alpha_s'] * 1e6:.1f} us, B "
+           f"{schedules['bytes_per_s'] / 1e6:.0f} MB/s; same bits "
+           f"{schedules['same_bits']}): measured / model ms, by size:"]
+  for kb, size in sorted(schedules["sizes"].items(),
+                         key=lambda kv: int(kv[0])):
+    lines.append(f"    {kb:>6} KiB  " + "  ".join(
+        f"{name} {row['measured_s'] * 1e3:.3f}/{row['model_s'] * 1e3:.3f}"
+        for name, row in size["schedules"].items())
+        + f"  rule {size['rule']['pick']} {size['chosen_vs_best']:.2f}x "
+        "the fastest")
+  for key, t in schedules["targets"].items():
+    lines += _target_lines(f"schedules {key}", t, f" (at {t['at_kb']} KiB)")
+  return lines
+
+
+def _target_lines(name: str, t: dict, at: str = "") -> list[str]:
+  """A scored target on a line, and its ``why`` when missed."""
+  return [f"  {name:<36} {t['value']:7.3f}  target {t['target']:<7} "
+          f"{'met' if t['met'] else 'NOT met'}{at}"] + (
+              [f"    why: {t['why']}"] if "why" in t else [])

@@ -1,36 +1,14 @@
 """Scaling: samples/s of the reference models on 1, 2, ... workers.
 
 Each worker count is one MultiWorkerMirrored cluster on localhost
-(`cluster_worker`, one process per worker, fixed thread counts). Weak
-scaling: every worker trains the same per-replica batch, so
-
-  scaling_efficiency = samples/s(N) / (N * samples/s(1)).
-
-Variants of the MLP compare communication options on the same cluster, in
-alternating windows: ``raw`` (hand-written loop, MultiWorkerMirroredStrategy
-as it comes), ``tfdist`` (the Runner with the recommended options,
-`RECOMMENDED`), ``alone`` (each worker trains its own copy of the model and
-exchanges nothing: the throughput N processes reach on this machine at once,
-whose efficiency is the ceiling of any synchronous training's), and one
-option changed at a time. The largest cluster also
-runs the all-reduce sweep (`tfdist.bench.allreduce`).
-
-A synchronous step ends when the slowest worker's does: each worker of a
-cluster of two or more also times ``alone`` steps one by one, and the mean
-step over the mean of each step's slowest (the j-th steps of the N workers,
-taken together) is the ``sync_factor``; ``scaling_sync_ceiling`` is the
-``alone`` ceiling times it, what synchronous training can reach when its
-all-reduce costs nothing. One all-reduce of the model's gradients by the
-recommended transport, timed alone on the same cores
-(``gradients_allreduce_s``), added to each slowest step gives
-``scaling_allreduce_ceiling``: what is left to explain past it is
-neither waiting nor the all-reduce itself. Overlapped with the backward
-pass, a step takes the longer of the two: ``scaling_overlap_ceiling``.
-
-Each worker's timed windows run pinned to its own core (worker i on core i
-modulo the cores; `tfdist.bench.cluster_worker`), raw and tfdist alike, so
-the 1-worker baseline has 1 core and the efficiency measures scaling, not
-core sharing.
+(`cluster_worker`, one process per worker, each pinned to its own core).
+Weak scaling: ``scaling_efficiency = samples/s(N) / (N * samples/s(1))``.
+Variants ``raw``, ``tfdist`` (`RECOMMENDED`), ``alone`` (nothing exchanged:
+the ceiling) and one option changed at a time alternate in windows; the
+largest cluster also runs the all-reduce sweep (`tfdist.bench.allreduce`)
+and times ``alone`` steps one by one for the ceilings that waiting for the
+slowest worker (`sync_factor`) and the all-reduce leave
+(docs/benchmarks.md, "Method").
 """
 
 from __future__ import annotations

@@ -1,42 +1,20 @@
 """The socket ring's all-reduce schedules, measured against their model.
 
 `measure` starts ``n`` processes on this machine for each ``n`` of
-``ranks`` (Python and numpy only, no TensorFlow, so 16 fit on 2 cores; with
-``wrap``, each in its own host of the network bed), joined through a
-directory (`DirectoryRendezvous`). Each holds one `tfdist.ring.SocketRing`
-per schedule of `tfdist.ring.socket_ring.SCHEDULES`, forced
-(``schedule=NAME``), and one that follows the rule (``schedule=None``,
-`tfdist.ring.socket_ring.choose`). In one run, one after the other:
+``ranks`` (numpy, no TensorFlow; with ``wrap``, each in its own host of the
+network bed), joined through a directory (`DirectoryRendezvous`). Each
+holds one `tfdist.ring.SocketRing` per schedule of
+`tfdist.ring.socket_ring.SCHEDULES`, forced, and one that follows the rule.
+In one run: the link (`tfdist.bench.link`: B and alpha); with ``delay_s``,
+relays holding each chunk that long (`tfdist.bench.relay`; alpha is then
+measured through them, B is not); then float32 buffers of each size,
+every ring in alternating windows, medians, each rank's processor seconds
+and a hash of each ring's result.
 
-1. **The link** (`tfdist.bench.link`): ``bytes_per_s``, B, the slowest
-   rank's receive rate while every rank streams to its right neighbour at
-   once, and ``hop_latency_s``, alpha, a small token's time per hop round
-   the ring.
-2. **The relay** (with ``delay_s`` > 0; `tfdist.bench.relay`): each rank
-   starts a relay, and every ring connection goes through the receiving
-   rank's relay, which holds each chunk ``delay_s``: a latency the kernel
-   here cannot add (no netem). The relay's own cost is the hop latency
-   through it at delay 0 against the direct one; alpha is then the hop
-   latency through it at ``delay_s``. The all-reduce times and alpha come
-   through the relay; B does not.
-3. **The all-reduces**: float32 buffers of each size (rank-seeded random
-   values, so the order of additions shows in the bits), every ring in
-   alternating windows (each window starting with the next ring) of the
-   same repetitions on every rank; medians. Each rank's processor seconds
-   (`os.times`, its relay's included) over the windows, and a hash of each
-   ring's result, go to rank 0 through the rendezvous.
-
-Steps 2 and 3 are `sweep`, one rank's part, given the link's figures and a
-rendezvous: `tfdist bench --across-hosts` (`tfdist.bench.hosts`) calls it in
-every task, with the link it measured and TensorFlow's coordination service.
-
-`report` sets each schedule's median beside the alpha-beta model's time
-(``SCHEDULES[name].seconds(n, nbytes, latency_s=alpha, bytes_per_s=B)``)
-and scores the rule against the fastest schedule measured (targets: the
-pick within 1.25x of it at every size; at 4 MiB and up, bus bandwidth
-``S / t * 2 (n - 1) / n`` of 0.95 of B up to 8 ranks, 0.9 above). A
-missed target says how busy the processes kept this machine's cores,
-which they all share. Every figure is a ratio within one run.
+`sweep` is one rank's part (``tfdist bench --across-hosts`` calls it in every
+task); `report` sets each schedule's median beside its model's time and
+scores the figures of `tfdist.bench.figures` (``chosen_vs_best``,
+``busbw_fraction``).
 
 Run as a module, it is one of those processes::
 
@@ -58,24 +36,22 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from tfdist.bench import figures
 from tfdist.bench import link as link_lib
 from tfdist.bench import procs
 from tfdist.bench import relay as relay_lib
-from tfdist.bench.report import Target
 from tfdist.ring import socket_ring
 from tfdist.ring.connection import Rendezvous
 
 __all__ = ["DirectoryRendezvous", "SIZES_KB", "RULE", "measure", "sweep",
-           "report", "busbw_target", "target", "main"]
+           "report", "main"]
 
 #: float32 buffer sizes swept by default: 4 KiB to 64 MiB, powers of 4.
 SIZES_KB = tuple(4 ** k for k in range(1, 9))
 #: The report's name of the ring that follows the rule.
 RULE = "rule"
-CHOSEN_TARGET = 1.25  # Rule's time over the fastest schedule's, at most.
 BUSBW_FROM_KB = 4096  # Bus bandwidth is scored from this size up.
 _WINDOW_S = 0.05  # Aim of one timing window.
-_BUSY_LIMIT = 0.9  # Share of the cores busy at which they are the limit.
 
 
 class DirectoryRendezvous:
@@ -120,19 +96,6 @@ class _Relayed:
 
   def lookup(self, key: str, timeout_s: float) -> str:
     return self._inner.lookup(key, timeout_s)
-
-
-def target(key: str, ranks: int) -> Target:
-  """The sweep's target ``key`` (``chosen_vs_best`` or ``busbw_fraction``)
-  for ``ranks`` ranks."""
-  if key == "chosen_vs_best":
-    return Target(key=key, bound=CHOSEN_TARGET, higher_is_better=False)
-  return Target(key=key, bound=busbw_target(ranks))
-
-
-def busbw_target(ranks: int) -> float:
-  """The bus bandwidth wanted of the link at 4 MiB and up."""
-  return 0.95 if ranks <= 8 else 0.9
 
 
 def measure(*, ranks: Sequence[int] = (2, 4, 8),
@@ -248,48 +211,17 @@ def report(raw: dict) -> dict:
 
 
 def _targets(out: dict) -> dict:
-  sizes = out["sizes"]
-  targets = {}
-  worst = max(sizes, key=lambda kb: sizes[kb]["chosen_vs_best"])
-  targets["chosen_vs_best"] = _scored(
-      out, worst, sizes[worst]["chosen_vs_best"],
-      target("chosen_vs_best", out["ranks"]))
-  large = [kb for kb in sizes if int(kb) >= BUSBW_FROM_KB]
-  if large:
-    low = min(large, key=lambda kb: sizes[kb]["busbw_fraction"])
-    targets["busbw_fraction"] = _scored(
-        out, low, sizes[low]["busbw_fraction"],
-        target("busbw_fraction", out["ranks"]))
+  """The rule's worst size for each figure of the sweep, scored."""
+  sizes, targets = out["sizes"], {}
+  for f in figures.of("schedules"):
+    scored = [kb for kb in sizes
+              if f.name != "busbw_fraction" or int(kb) >= BUSBW_FROM_KB]
+    if scored:
+      kb = f.worst({kb: sizes[kb][f.name] for kb in scored})
+      targets[f.name] = {**figures.score(f, sizes[kb][f.name],
+                                         ranks=out["ranks"], out=out, kb=kb),
+                         "at_kb": int(kb)}
   return targets
-
-
-def _scored(out: dict, kb: str, value: float, goal: Target) -> dict:
-  met = goal.met(value)
-  entry = {"value": value, "target": goal.bound, "met": met,
-           "at_kb": int(kb)}
-  if not met:
-    entry["why"] = _why(out, kb)
-  return entry
-
-
-def _why(out: dict, kb: str) -> str:
-  """What the run says about a miss at ``kb``: the schedules and the cores."""
-  size = out["sizes"][kb]
-  rule, best, rows = size["rule"], size["best"], size["schedules"]
-  busy, cores, n = size["busy_cores"], out["cores"], out["ranks"]
-  fastest_s = rows[best["measured"]]["measured_s"]
-  text = (f"at {kb} KiB the rule took {rule['pick']} "
-          f"({rule['measured_s'] * 1e3:.3f} ms), the fastest measured was "
-          f"{best['measured']} ({fastest_s * 1e3:.3f} ms), the model's best "
-          f"{best['model']}; the {n} processes "
-          f"share this machine's {cores} cores and kept {busy:.2f} of them "
-          "busy in these all-reduces")
-  if best["measured"] == rule["pick"]:
-    text += (f"; {rule['pick']} itself on its own ring, timed in the same "
-             "windows: the gap is this run's spread")
-  if busy >= _BUSY_LIMIT * cores:
-    return text + ": the processors, not the link, were the limit"
-  return text + " (the kernel's packet work not counted)"
 
 
 def _time(fn, reps: int) -> float:

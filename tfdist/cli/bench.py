@@ -25,7 +25,9 @@ _FLAGS: _args.FlagTable = {
 
 
 #: A flag -> the flags it cannot go with, and why.
-_ALONE = {"project": (("quick", "across_hosts"), "it measures nothing")}
+_ALONE = {"project": (("quick", "across_hosts"), "it measures nothing"),
+          "figures": (("quick", "across_hosts", "project"),
+                      "it reads saved reports")}
 #: Flags that only the bench across hosts reads.
 _ACROSS_HOSTS_ONLY = ("model", "bucket_mib")
 
@@ -54,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="measure nothing: print the alpha-beta model of all-reduce and "
            "step time against host count (ring and tree at 1, 10 and 100 "
            "Gbit/s; tfdist.bench.projection)")
+  parser.add_argument(
+      "--figures", metavar="JSON", nargs="+",
+      help="measure nothing: print the figures of these saved reports (a "
+           "report, or label -> report) as one Markdown table, the method "
+           "beside each (tfdist.bench.figures)")
   _args.add_flags(parser, _FLAGS)
 
 
@@ -73,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
     runner.check_outputs(**outputs, local=not args.across_hosts)
   if args.project:  # Arithmetic only: no TensorFlow.
     return _project(outputs)
+  if args.figures:
+    from tfdist.bench import figures  # pylint: disable=g-import-not-at-top
+    print(figures.markdown(figures.load(args.figures)))
+    return 0
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   from tfdist.bench import report  # pylint: disable=g-import-not-at-top
   if args.across_hosts:
@@ -134,6 +145,7 @@ def _across_hosts(args: argparse.Namespace, outputs: dict) -> int:
   from tfdist.bench import runner  # pylint: disable=g-import-not-at-top
   import tfdist  # pylint: disable=g-import-not-at-top
   from tfdist.bench import hosts  # pylint: disable=g-import-not-at-top
+  from tfdist.bench import report  # pylint: disable=g-import-not-at-top
   if tfdist.resolve_cluster().is_chief:  # Only the chief writes.
     with _args.config_errors(source=_SOURCE,
                              renamed=_args.spellings(_FLAGS)):
@@ -145,6 +157,6 @@ def _across_hosts(args: argparse.Namespace, outputs: dict) -> int:
     preset = dataclasses.replace(preset, bucket_bytes=args.bucket_mib << 20)
   found = hosts.run(preset, **outputs,
                     log=lambda s: print(s, file=sys.stderr, flush=True))
-  print(hosts.format_table(found) if found is not None else
+  print(report.format_hosts(found) if found is not None else
         "tfdist bench: done; the chief prints the report")
   return 0
