@@ -180,9 +180,7 @@ def _value_error(*, field: str, value: Any, expected: str, source: str,
 
 _host: list[Host] = [Host(refusal=_value_error)]
 
-# A wrapper's ``(upstream's function, the makers wrapped over it, the names
-# of the fixes installed there)``: what `apply` did lives on what it put in
-# Keras's place.
+# On each wrapper: (upstream's function, the makers over it, the fixes' names).
 _MARK = "__tfdist_keras_compat__"
 _lock = threading.Lock()
 
@@ -210,7 +208,7 @@ def fingerprint(target: str) -> str | None:
   when there is no such function or its source cannot be read.
   """
   try:
-    source = textwrap.dedent(inspect.getsource(_upstream(target)))
+    source = textwrap.dedent(inspect.getsource(_marks(target)[0]))
   except (OSError, TypeError):  # None, or no source to read.
     return None
   return hashlib.sha256(source.encode()).hexdigest()[:16]
@@ -220,16 +218,12 @@ def changed_targets(fix: Fix) -> tuple[str, ...]:
   """The functions of ``fix`` whose code differs from the code verified."""
   return tuple(t for t, want in fix.verified.items()
                if (fingerprint(t) != want if want is not None
-                   else _upstream(t) is None))
-
-
-def _upstream(target: str) -> Any:
-  """Keras's own function at ``target``, even where replaced; else ``None``."""
-  return _marks(target)[0]
+                   else _marks(t)[0] is None))
 
 
 def _marks(target: str) -> tuple[Any, tuple[Callable, ...], frozenset[str]]:
-  """`_MARK` at ``target``: ``(None, (), frozenset())`` where nothing is."""
+  """`_MARK` at ``target``; ``(Keras's own function, (), frozenset())`` where
+  nothing is installed, ``None`` for a missing one."""
   try:
     current = getattr(*_resolve(target))
   except (ImportError, AttributeError):

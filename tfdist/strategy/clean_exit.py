@@ -18,14 +18,11 @@ exception or `SystemExit` (`tfdist.PreemptedError` too), ``sys.exit(n)`` with
 n != 0; ``os._exit`` and signals skip ``atexit`` anyway.
 
 ``atexit`` cannot read the exit status, so an end is clean when the main
-module ran to its end; else when the last ``sys.exit`` got 0 or None (`arm`
-wraps ``sys.exit`` to record it; importing tfdist changes nothing); else, for
-a ``sys.exit`` looked up before `arm` (``sys.exit(main())``, absl's
-``app.run``), when the outermost function that was running at `arm` and has
-returned returned a constant or local 0 or None. Without the main module on
-that stack (a notebook, a thread), only an uncaught exception and a recorded
-``sys.exit`` status are seen. `CleanExit.close` (or a later `arm`) puts
-``sys.exit`` back and drops the handler.
+module ran to its end, else when the last ``sys.exit`` got 0 or None: `arm`
+wraps ``sys.exit`` to record it (importing tfdist changes nothing), and for
+one looked up before (``sys.exit(main())``, absl's ``app.run``) reads what
+the outermost returned function on `arm`'s stack returned, if a constant or
+a local. `CleanExit.close`, or a later `arm`, removes both hooks.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ import dis
 import functools
 import sys
 import time
+import traceback
 import types
 from typing import Any
 
@@ -47,20 +45,15 @@ __all__ = ["BARRIER_ID", "CleanExit", "arm"]
 BARRIER_ID = "tfdist/exit"
 
 _UNKNOWN = object()
-_RETURNS = ("RETURN_VALUE", "RETURN_CONST")
 
 
 class CleanExit:
   """One strategy's wait at exit, armed from `arm` until `close`."""
 
   def __init__(self, *, task: str, timeout_s: float) -> None:
-    self.task, self.timeout_s = task, timeout_s
-    self.status: Any = _UNKNOWN  # What the wrapped sys.exit got, if called.
-    frame, self._frames = sys._getframe(), []  # pylint: disable=protected-access
-    while frame is not None:  # The caller's stack, outermost last.
-      if not frame.f_globals.get("__name__", "").startswith("tfdist."):
-        self._frames.append(frame)
-      frame = frame.f_back
+    self.task, self.timeout_s, self.status = task, timeout_s, _UNKNOWN
+    self._frames = [f for f, _ in traceback.walk_stack(None)  # Outermost last.
+                    if not f.f_globals.get("__name__", "").startswith("tfdist.")]
     self._previous = sys.exit
 
     @functools.wraps(sys.exit)
@@ -78,20 +71,21 @@ class CleanExit:
       sys.exit = self._previous
 
   def clean_end(self) -> bool:
-    """Whether the interpreter is ending with exit status 0, as far as seen."""
+    """Whether the interpreter ends with exit status 0, as far as seen."""
     if getattr(sys, "last_value", None) is not None:
       return False  # An uncaught exception.
     main = getattr(sys.modules.get("__main__"), "__dict__", None)
-    frames = [f for f in self._frames if f.f_globals is main
-              and f.f_code.co_name == "<module>"]
-    if frames and _op(frames[-1]) in _RETURNS:
+    mains = [f for f in self._frames
+             if f.f_globals is main and f.f_code.co_name == "<module>"]
+    if mains and _returned(mains[-1])[0]:
       return True  # The main module ran to its end.
     if self.status is not _UNKNOWN:
       return self.status in (None, 0)
     for frame in reversed(self._frames):  # sys.exit(f()): what f returned.
-      if _op(frame) in _RETURNS:
-        return _returned(frame) in (None, 0)
-    return not frames  # Else a SystemExit raised directly ended it.
+      returned, value = _returned(frame)
+      if returned:
+        return value in (None, 0)
+    return not mains  # Else a SystemExit raised directly ended it.
 
   def _wait(self) -> None:
     self.close()
@@ -115,9 +109,8 @@ class CleanExit:
 
 
 def arm(info: ClusterInfo, timeout_s: float | None) -> CleanExit | None:
-  """Waits at `BARRIER_ID` when the interpreter exits cleanly.
-
-  Closes the `CleanExit` armed before in this process, if any.
+  """Waits at `BARRIER_ID` when the interpreter exits cleanly; closes the
+  `CleanExit` armed before, if any.
 
   Args:
     info: the task's cluster; one task alone has nobody to wait for.
@@ -125,27 +118,23 @@ def arm(info: ClusterInfo, timeout_s: float | None) -> CleanExit | None:
   """
   if timeout_s is None or info.num_workers < 2:
     return None
-  armed = getattr(sys.exit, "clean_exit", None)
-  if armed is not None:
-    armed.close()
+  if hasattr(sys.exit, "clean_exit"):
+    sys.exit.clean_exit.close()
   return CleanExit(task=f"{info.task_type}:{info.task_id}",
                    timeout_s=timeout_s)
 
 
-def _op(frame: types.FrameType) -> str:
-  return dis.opname[frame.f_code.co_code[frame.f_lasti]]
-
-
-def _returned(frame: types.FrameType) -> Any:
-  """What ``frame``, which returned, returned where its code says (a
-  constant or a local); else ``_UNKNOWN``."""
+def _returned(frame: types.FrameType) -> tuple[bool, Any]:
+  """Whether ``frame`` returned, and what where its code says (a constant or
+  a local), else ``_UNKNOWN``."""
   code = {i.offset: i for i in dis.get_instructions(frame.f_code)}
-  last = code[frame.f_lasti]
+  last, before = code.get(frame.f_lasti), code.get(frame.f_lasti - 2)
+  if last is None or last.opname not in ("RETURN_VALUE", "RETURN_CONST"):
+    return False, _UNKNOWN
   if last.opname == "RETURN_CONST":
-    return last.argval
-  before = code.get(frame.f_lasti - 2)
+    return True, last.argval
   if before is not None and before.opname == "LOAD_CONST":
-    return before.argval
+    return True, before.argval
   if before is not None and before.opname.startswith("LOAD_FAST"):
-    return frame.f_locals.get(before.argval, _UNKNOWN)
-  return _UNKNOWN
+    return True, frame.f_locals.get(before.argval, _UNKNOWN)
+  return True, _UNKNOWN
