@@ -109,13 +109,8 @@ class CleanExit:
 
 
 def arm(info: ClusterInfo, timeout_s: float | None) -> CleanExit | None:
-  """Waits at `BARRIER_ID` when the interpreter exits cleanly; closes the
-  `CleanExit` armed before, if any.
-
-  Args:
-    info: the task's cluster; one task alone has nobody to wait for.
-    timeout_s: bound on the wait; ``None`` arms nothing.
-  """
+  """Waits at `BARRIER_ID` at a clean exit, bounded by ``timeout_s`` (None:
+  not at all), unless ``info`` has one task; closes the one armed before."""
   if timeout_s is None or info.num_workers < 2:
     return None
   if hasattr(sys.exit, "clean_exit"):
@@ -128,13 +123,13 @@ def _returned(frame: types.FrameType) -> tuple[bool, Any]:
   """Whether ``frame`` returned, and what where its code says (a constant or
   a local), else ``_UNKNOWN``."""
   code = {i.offset: i for i in dis.get_instructions(frame.f_code)}
-  last, before = code.get(frame.f_lasti), code.get(frame.f_lasti - 2)
+  last = code.get(frame.f_lasti)
   if last is None or last.opname not in ("RETURN_VALUE", "RETURN_CONST"):
     return False, _UNKNOWN
-  if last.opname == "RETURN_CONST":
-    return True, last.argval
-  if before is not None and before.opname == "LOAD_CONST":
-    return True, before.argval
-  if before is not None and before.opname.startswith("LOAD_FAST"):
-    return True, frame.f_locals.get(before.argval, _UNKNOWN)
+  value = last if last.opname == "RETURN_CONST" else code.get(
+      frame.f_lasti - 2)
+  if value is not None and value.opname in ("RETURN_CONST", "LOAD_CONST"):
+    return True, value.argval
+  if value is not None and value.opname.startswith("LOAD_FAST"):
+    return True, frame.f_locals.get(value.argval, _UNKNOWN)
   return True, _UNKNOWN
