@@ -102,11 +102,11 @@ import tfdist
 from tfdist.strategy import clean_exit
 
 def main(argv=None):
-  clean_exit.register(tfdist.ClusterInfo(
+  armed = clean_exit.arm(tfdist.ClusterInfo(
       cluster={"worker": ["a:1", "b:1"]}, task_type="worker", task_id=0,
       source="explicit"), 1)
-  atexit.register(lambda: (print("wait" if clean_exit._clean_end() else
-                                 "leave", flush=True), os._exit(0)))
+  atexit.register(lambda: (print("wait" if armed.clean_end() else "leave",
+                                 flush=True), os._exit(0)))
   %s
 
 if __name__ == "__main__":
@@ -126,6 +126,12 @@ class EndTest(parameterized.TestCase):
        "main()", "wait"),
       ("sys_exit_3", "sys.exit(3)", "main()", "leave"),
       ("sys_exit_of_main_3", "return 3", "sys.exit(main())", "leave"),
+      ("sys_exit_of_a_local", "status = 0\n  return status",
+       "sys.exit(main())", "wait"),
+      ("sys_exit_of_a_local_3", "status = 3\n  return status",
+       "sys.exit(main())", "leave"),
+      ("sys_exit_of_an_expression", "return int('0')", "sys.exit(main())",
+       "leave"),  # Unknown: leaving at once is the safe side.
       ("absl_app_run_3", "return 3", "app.run(main)", "leave"),
       ("system_exit_raised", "raise SystemExit(3)", "main()", "leave"),
       ("builtin_exit", "exit(3)", "main()", "leave"),

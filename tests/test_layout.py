@@ -29,6 +29,7 @@ PACKAGE = os.path.join(ROOT, "tfdist")
 FLOORS = {
     "tfdist.errors": 0, "tfdist._net": 0, "tfdist._lazy": 0,
     "tfdist._secret": 0, "tfdist._compat": 0, "tfdist._flight": 0,
+    "tfdist._process": 0,
     "tfdist.cluster": 1, "tfdist.ring": 1,
     "tfdist.strategy": 2,
     "tfdist.data": 3, "tfdist.perf": 3,
@@ -190,7 +191,10 @@ class FloorsTest(parameterized.TestCase):
       ("net_imports_nothing", "tfdist._net", ("tfdist",)),
       ("secret_imports_nothing", "tfdist._secret", ("tfdist",)),
       ("lazy_imports_nothing", "tfdist._lazy", ("tfdist",)),
-      ("compat_imports_nothing", "tfdist._compat", ("tfdist",)),
+      ("compat_imports_nothing_but_process", "tfdist._compat",
+       ("tfdist.errors", "tfdist._net", "tfdist._lazy", "tfdist._secret",
+        "tfdist._flight")),  # The floor test forbids the floors above.
+      ("process_imports_nothing", "tfdist._process", ("tfdist",)),
   )
   def test_rule(self, package, forbidden):
     broken = []

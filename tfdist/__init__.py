@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from tfdist import _lazy
 from tfdist.strategy import OPTION_CLASSES as _OPTION_CLASSES
-from tfdist.strategy import clean_exit as _clean_exit  # Records sys.exit's status.
 
 __version__ = "0.3.0"
 

@@ -61,6 +61,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from absl import logging
 
+from tfdist import _process
+
 __all__ = [
     "CAUSE_ATTR",
     "FIXES",
@@ -178,10 +180,9 @@ def _value_error(*, field: str, value: Any, expected: str, source: str,
 
 _host: list[Host] = [Host(refusal=_value_error)]
 
+# On each wrapper: (upstream's function, the makers over it, the fixes' names).
 _MARK = "__tfdist_keras_compat__"
 _lock = threading.Lock()
-# (owner, attribute) -> the upstream value it had before `apply`.
-_originals: dict[tuple[Any, str], Any] = {}
 
 
 def _keras_version_string() -> str:
@@ -207,7 +208,7 @@ def fingerprint(target: str) -> str | None:
   when there is no such function or its source cannot be read.
   """
   try:
-    source = textwrap.dedent(inspect.getsource(_upstream(target)))
+    source = textwrap.dedent(inspect.getsource(_marks(target)[0]))
   except (OSError, TypeError):  # None, or no source to read.
     return None
   return hashlib.sha256(source.encode()).hexdigest()[:16]
@@ -217,16 +218,17 @@ def changed_targets(fix: Fix) -> tuple[str, ...]:
   """The functions of ``fix`` whose code differs from the code verified."""
   return tuple(t for t, want in fix.verified.items()
                if (fingerprint(t) != want if want is not None
-                   else _upstream(t) is None))
+                   else _marks(t)[0] is None))
 
 
-def _upstream(target: str) -> Any:
-  """Keras's own function at ``target``, even where replaced; else ``None``."""
+def _marks(target: str) -> tuple[Any, tuple[Callable, ...], frozenset[str]]:
+  """`_MARK` at ``target``; ``(Keras's own function, (), frozenset())`` where
+  nothing is installed, ``None`` for a missing one."""
   try:
-    owner, attr = _resolve(target)
-    return _originals.get((owner, attr), getattr(owner, attr))
+    current = getattr(*_resolve(target))
   except (ImportError, AttributeError):
-    return None
+    return None, (), frozenset()
+  return getattr(current, _MARK, (current, (), frozenset()))
 
 
 def needed_fixes(fixes: Iterable[Fix] = FIXES) -> tuple[Fix, ...]:
@@ -243,11 +245,13 @@ def needed_fixes(fixes: Iterable[Fix] = FIXES) -> tuple[Fix, ...]:
 
 def applied_fixes() -> tuple[str, ...]:
   """Names of the corrections installed in this process."""
-  with _lock:
-    return tuple(sorted(_applied_names))
+  return tuple(sorted(
+      fix.name for fix in FIXES + _host[0].hooks
+      if all(fix.name in _marks(target)[2] for target, _ in _installs(fix))))
 
 
-_applied_names: set[str] = set()
+def _installs(fix: Fix) -> Iterable[tuple[str, Callable]]:
+  return (fix.install or _INSTALLS[fix.name]).items()
 
 
 def apply(names: Iterable[str] | None = None, *,
@@ -271,30 +275,29 @@ def apply(names: Iterable[str] | None = None, *,
   every = FIXES + _host[0].hooks
   wanted = set(names) if names is not None else {f.name for f in every}
   with _lock:
+    wanted -= set(applied_fixes())
     for fix in every:
-      if fix.name not in wanted or fix.name in _applied_names:
+      if fix.name not in wanted:
         continue
       changed = changed_targets(fix)
-      if changed:
-        _warn_changed_once(fix.name, changed)
-        continue
-      for target, make in (fix.install or _INSTALLS[fix.name]).items():
-        _install(*_resolve(target), make)
-      _applied_names.add(fix.name)
+      if changed and _process.once((fix.name, changed)):
+        _warn_changed(fix.name, changed)
+      for target, make in () if changed else _installs(fix):
+        _install(*_resolve(target), make, fix.name)
   return applied_fixes()
 
 
 def restore() -> None:
   """Puts Keras's original functions back (for tests)."""
   with _lock:
-    for (owner, attr), original in _originals.items():
-      setattr(owner, attr, original)
-    _originals.clear()
-    _applied_names.clear()
+    for fix in FIXES + _host[0].hooks:
+      for target, _ in _installs(fix):
+        original, makers, _ = _marks(target)
+        if makers:
+          setattr(*_resolve(target), original)
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_changed_once(name: str, changed: tuple[str, ...]) -> None:
+def _warn_changed(name: str, changed: tuple[str, ...]) -> None:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   logging.warning(
       "tfdist: %s changed in Keras %s / TensorFlow %s since the code "
@@ -306,17 +309,16 @@ def _warn_changed_once(name: str, changed: tuple[str, ...]) -> None:
 
 
 def _install(owner: Any, attr: str,
-             make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+             make: Callable[[Callable[..., Any]], Callable[..., Any]],
+             name: str) -> None:
   """Wraps ``owner.attr`` by ``make``, over any wrapper of another maker
   (``fit`` has two hooks)."""
   current = getattr(owner, attr)
-  makers = getattr(current, _MARK, ())
-  if make in makers:
-    return  # Already ours: `apply` is idempotent.
-  _originals.setdefault((owner, attr), current)  # Upstream's, for `restore`.
-  wrapper = make(current)
-  setattr(wrapper, _MARK, (*makers, make))
-  setattr(owner, attr, wrapper)
+  original, makers, names = getattr(current, _MARK, (current, (), frozenset()))
+  if make not in makers:  # Else already ours: `apply` is idempotent.
+    current, makers = make(current), (*makers, make)
+    setattr(owner, attr, current)
+  setattr(current, _MARK, (original, makers, names | {name}))
 
 
 def _trainer():

@@ -21,13 +21,13 @@ this module holds the builders, which need TensorFlow.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable, Mapping
 
 from absl import logging
 import tensorflow as tf
 
 from tfdist import _flight
+from tfdist import _process
 from tfdist._compat import keras as keras_compat
 from tfdist.cluster import local as local_lib
 from tfdist.cluster import names as names_lib
@@ -102,10 +102,8 @@ class _MirroredStrategy(tf.distribute.MirroredStrategy):
   key range, as TensorFlow's own tests arrange with `_collective_key_base`.
   """
 
-  _key_bases = itertools.count(1)
-
   def __init__(self, *args, **kwargs):
-    self._collective_key_base = next(self._key_bases) * 100_000
+    self._collective_key_base = _process.number("mirrored", start=1) * 100_000
     super().__init__(*args, **kwargs)
 
 
@@ -165,7 +163,8 @@ def _build_multi_worker_mirrored(o: opts.MultiWorkerMirroredOptions,
       strategy = tf.distribute.MultiWorkerMirroredStrategy(
           cluster_resolver=resolver_lib.resolver_for(info),
           communication_options=communication)
-    clean_exit.register(info, o.exit_timeout_seconds)
+    introspect.record_of(strategy).clean_exit = clean_exit.arm(
+        info, o.exit_timeout_seconds)
     _choose_transport(strategy, o)
     return strategy
   except tf.errors.UnavailableError as e:

@@ -39,12 +39,18 @@ class Record:
     rings: its socket rings, by their settings (`tfdist.strategy.rings`).
     sums: the buffers its gradients' sums land in where they are one
       bucket (`tfdist.strategy.buckets`).
+    saved: the exports `tfdist.save_model` wrote under it.
+    clean_exit: its `tfdist.strategy.clean_exit.CleanExit`, if armed.
+    lock: held while ``rings`` or ``announced`` change.
   """
   built_for: tuple | None = None
   transport: Any = None
   announced: set[str] = dataclasses.field(default_factory=set)
   rings: dict[tuple, Any] = dataclasses.field(default_factory=dict)
   sums: Buffers = dataclasses.field(default_factory=Buffers)
+  saved: set[str] = dataclasses.field(default_factory=set)
+  clean_exit: Any = None
+  lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 _records: "weakref.WeakKeyDictionary[Any, Record]" = weakref.WeakKeyDictionary()

@@ -20,11 +20,10 @@ their settings; they close when the process exits (``atexit``) or on
 from __future__ import annotations
 
 import atexit
-import itertools
-import threading
 
 import tensorflow as tf
 
+from tfdist import _process
 from tfdist import ring as ring_lib
 from tfdist.errors import ConfigError
 from tfdist.ring import exchange
@@ -38,11 +37,6 @@ __all__ = ["KEY_PREFIX", "SOURCE", "CoordinationRendezvous", "check_strategy",
 KEY_PREFIX = "tfdist/socket_transport"
 #: Where its errors say ``transport="socket"`` came from, by default.
 SOURCE = "GradientOptions(transport='socket')"
-
-_lock = threading.Lock()
-# Rings are numbered in the order the program makes them, the same on every
-# worker (the same program runs everywhere).
-_numbers = itertools.count()
 
 
 class CoordinationRendezvous:
@@ -165,12 +159,14 @@ def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
     return None
   settings = (float(connect_timeout_s), float(timeout_s), secret, ports,
               authenticate_values, threaded_bytes)
-  rings = introspect.record_of(strategy).rings
-  with _lock:
-    if settings in rings:
-      return rings[settings]
+  record = introspect.record_of(strategy)
+  with record.lock:
+    if settings in record.rings:
+      return record.rings[settings]
     rank, hosts, names = peers(strategy)
-    number = next(_numbers)
+    # Numbered in the order the program makes them, the same on every worker
+    # (the same program runs everywhere): one coordination service a process.
+    number = _process.number("ring")
     ring = ring_lib.SocketRing(
         rank=rank, hosts=hosts, names=names,
         rendezvous=CoordinationRendezvous(), key=f"{KEY_PREFIX}/{number}",
@@ -178,16 +174,17 @@ def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
         source=f"{SOURCE}, cluster resolver", secret=secret, ports=ports,
         authenticate_values=authenticate_values,
         threaded_bytes=threaded_bytes)
-    rings[settings] = ring
-    if number == 0:
-      atexit.register(close_transports)
-    return ring
+    record.rings[settings] = ring
+  if _process.once(close_transports):
+    atexit.register(close_transports)
+  return ring
 
 
 def rings_of(strategy) -> list[ring_lib.SocketRing]:
   """The socket rings this process made for ``strategy``'s workers."""
-  with _lock:
-    return list(introspect.record_of(strategy).rings.values())
+  record = introspect.record_of(strategy)
+  with record.lock:
+    return list(record.rings.values())
 
 
 def failure_of(strategy) -> BaseException | None:
@@ -208,8 +205,8 @@ def close_transports() -> None:
   Call it once training is over on every worker; a later socket all-reduce
   in this process fails.
   """
-  with _lock:
-    rings = [ring for record in introspect.records()
-             for ring in record.rings.values()]
-  for ring in rings:
-    ring.close()
+  for record in introspect.records():
+    with record.lock:
+      rings = list(record.rings.values())
+    for ring in rings:
+      ring.close()

@@ -26,6 +26,7 @@ from absl import logging
 import tensorflow as tf
 
 from tfdist import _net
+from tfdist import _process
 from tfdist.cluster import names as names_lib
 from tfdist.cluster import resolve as resolve_lib
 from tfdist.cluster.info import ClusterInfo
@@ -133,12 +134,8 @@ def linger_at_exit() -> None:
   test bed, 1 run in 3 of a chief that ran one step kept its ps and worker
   serving until srun's 300 s bound. Registered once per process (atexit).
   """
-  if not _lingering:
-    _lingering.append(True)
+  if _process.once(linger_at_exit):
     atexit.register(time.sleep, CHIEF_LINGER_SECONDS)
-
-
-_lingering: list[bool] = []
 
 
 def end_served(info: ClusterInfo) -> None:

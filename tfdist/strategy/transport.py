@@ -33,12 +33,8 @@ size from 1 to 64 MiB: 4 to 5 times on loopback, 0.88-0.98 of a 1 Gbit/s
 link against 0.63-0.82, and up to ten times at 10 Gbit/s. Every worker
 applies the rule to the same strategy and environment, so all choose alike.
 
-One module per job, whose public names this one gathers:
-`tfdist.strategy.transport_choice` (the rule above, the workers' agreement,
-the chief's line), `tfdist.strategy.gradient_hook` (`keras_all_reduce`),
-`tfdist.strategy.rings` (a strategy's rings: peers, ports, closing),
-`tfdist.strategy.buckets` (summed during the backward pass) and
-`tfdist.strategy.packing` (a bucket as the ring takes it).
+This face gathers the public names of the five modules `tfdist.strategy`
+lists below it.
 
 The ``socket`` transport, step by step:
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import threading
 import time
 from typing import Mapping, Sequence
 
@@ -27,8 +26,6 @@ from tfdist.strategy.gradient_options import TRANSPORTS
 
 __all__ = ["Choice", "auto_rule", "choose", "plan", "environment_problems",
            "agree", "record", "gradient_transport", "announce"]
-
-_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -246,8 +243,9 @@ def announce(strategy, choice: Choice) -> None:
   """Says on stderr, from ``strategy``'s chief, which transport carries its
   gradients: as the first step is built, and again for an optimizer that
   asks for the other one."""
-  with _lock:
-    said = introspect.record_of(strategy).announced
+  record = introspect.record_of(strategy)
+  with record.lock:
+    said = record.announced
     if choice.transport in said or strategy.num_replicas_in_sync < 2:
       return
     said.add(choice.transport)

@@ -65,11 +65,11 @@ def save_model(model: keras.Model, path: str,
   and renames the result onto it, so a reader never sees a half-written
   export. Other workers write into a temporary directory that is removed.
 
-  Nothing is removed or overwritten that this process did not write: a
-  ``path`` that exists (a file, or a directory with anything in it), the
-  working directory or one of its parents is refused on every worker before
-  anything is written. Saving again to a path saved by this process
-  replaces that export.
+  Nothing is removed or overwritten that was not saved under ``strategy``
+  (its `tfdist.strategy.introspect.Record` keeps the paths): a ``path`` that
+  exists (a file, or a directory with anything in it), the working directory
+  or one of its parents is refused on every worker before anything is
+  written. Saving again to such a path replaces that export.
 
   Args:
     model: the model.
@@ -83,16 +83,17 @@ def save_model(model: keras.Model, path: str,
     ``path`` on the chief, ``None`` elsewhere.
 
   Raises:
-    ConfigError: ``path`` exists and was not written by this process, or it
+    ConfigError: ``path`` exists and was not saved under ``strategy``, or it
       is the working directory or one of its parents.
   """
   strategy = (strategy or getattr(model, "distribute_strategy", None)
               or tf.distribute.get_strategy())
   final = chief_lib.absolute(path)
+  saved = introspect.record_of(strategy).saved
   # Every worker checks before any writes: the chief cannot publish before
   # a slower worker has looked (it would then find the chief's export).
   checkpoints_lib.agreed(
-      strategy, lambda: _check_free(final, path), directory=path,
+      strategy, lambda: _check_free(final, path, saved), directory=path,
       field="path", source="tfdist.save_model",
       expected="a path every worker may save to",
       peer_hint="Another worker refused it; its error says why")
@@ -106,20 +107,16 @@ def save_model(model: keras.Model, path: str,
         model.save(target)
       else:
         model.export(target)
-      _publish(target, os.path.join(directory, name), tmp, path)
+      _publish(target, os.path.join(directory, name), tmp, path, saved)
     finally:
       shutil.rmtree(tmp, ignore_errors=True)
   if not introspect.is_chief(strategy):
     return None
-  _SAVED.add(final)
+  saved.add(final)
   return path
 
 
-# Exports this process wrote: the only existing paths save_model replaces.
-_SAVED: set[str] = set()
-
-
-def _check_free(final: str, given: str) -> None:
+def _check_free(final: str, given: str, saved: set[str]) -> None:
   """Raises ConfigError unless save_model may write ``final``."""
   cwd = os.getcwd()
   if os.path.commonpath([final, cwd]) == final:
@@ -129,7 +126,7 @@ def _check_free(final: str, given: str) -> None:
                  "one of its parents",
         hint="Name a new directory inside it, e.g. "
              f"{os.path.join(given, 'model')!r}")
-  if final in _SAVED or not os.path.lexists(final):
+  if final in saved or not os.path.lexists(final):
     return
   if os.path.isdir(final) and not os.path.islink(final) and not os.listdir(
       final):
@@ -137,14 +134,15 @@ def _check_free(final: str, given: str) -> None:
   raise ConfigError(
       field="path", value=given, source="tfdist.save_model",
       expected="a path that does not exist yet, or an empty directory: "
-               f"{final} holds what this process did not write",
+               f"{final} holds what this strategy did not save",
       hint="Save to a new path, or move or delete the old one yourself; "
            "tfdist never removes what it did not write")
 
 
-def _publish(target: str, final: str, tmp: str, given: str) -> None:
+def _publish(target: str, final: str, tmp: str, given: str,
+             saved: set[str]) -> None:
   """Moves ``target`` onto ``final``; never replaces another's files."""
-  if os.path.lexists(final) and final in _SAVED:  # This process wrote it.
+  if os.path.lexists(final) and final in saved:  # Saved under strategy.
     if not os.path.isdir(target):
       os.replace(target, final)
       return

@@ -25,7 +25,6 @@ needs a new directory.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -38,6 +37,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from tfdist import _process
 from tfdist.errors import ConfigError
 from tfdist.strategy import introspect
 from tfdist.strategy import keras_callbacks
@@ -83,7 +83,8 @@ def owner_of(items: Iterable[Any], strategy: tf.distribute.Strategy
                 include_self=False, recursive=True)
             if not isinstance(layer, keras.Model)]  # Its layers are listed.
   unconfigured = tuple(name for name, _, config in layers if config is None)
-  if unconfigured and introspect.is_chief(strategy):
+  if (unconfigured and introspect.is_chief(strategy)
+      and _process.once((_say_unconfigured, unconfigured))):
     _say_unconfigured(unconfigured)
   _, _, cluster = introspect.task_of(strategy)
   return {"model": digest, "variables": len(described), "layers": layers,
@@ -106,7 +107,6 @@ def _layer(layer: keras.layers.Layer) -> list[Any]:
   return [layer.name, type(layer).__name__, config]
 
 
-@functools.cache
 def _say_unconfigured(names: tuple[str, ...]) -> None:
   logging.warning(
       "tfdist: layer%s %s give%s no configuration (get_config failed); the "
