@@ -24,11 +24,6 @@ Efficiency is ``T_step(1) / T_step(p)``; ``serial_s`` is compute plus one
 all-reduce of all the gradients. `check` and `check_training` set measured
 all-reduces and steps beside the model, from the same run's alpha and B
 (``tfdist bench --across-hosts``); `project` is ``tfdist bench --project``.
-
-Example::
-
-  link = link_at(10)                      # 10 Gbit/s, DEFAULT_LATENCY_S
-  step(WIDE_MLP, p=8, link=link).steps_per_s  # tfdist's pick, overlapped
 """
 
 from __future__ import annotations

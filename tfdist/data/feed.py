@@ -157,12 +157,6 @@ def distribute(strategy: tf.distribute.Strategy, examples_fn: DatasetFn, *,
     ConfigError: batch sizes as in `tfdist.data.Batching.resolve`;
       ``drop_remainder=False`` on a TPU; ParameterServerStrategy without a
       coordinator.
-
-  Example:
-    >>> dist = distribute(strategy, lambda ctx: load_tfds(
-    ...     "tfdist_digits", split="train", input_context=ctx),
-    ...     global_batch_size=64)
-    >>> for batch in dist: strategy.run(step, args=(batch,))
   """
   batching = batching_lib.batching_for(
       strategy, global_batch_size=global_batch_size,

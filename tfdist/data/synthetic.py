@@ -151,10 +151,6 @@ def prepare_digits(data_dir: str | os.PathLike[str] | None = None, *,
   Raises:
     ConfigError: the wait outlived ``lock_timeout_s``, or the chief's build
       failed.
-
-  Example:
-    >>> builder = prepare_digits("/tmp/tfds")
-    >>> ds = builder.as_dataset(split="train")
   """
   data_dir = os.fspath(data_dir) if data_dir else default_data_dir()
   return prepare_lib.prepared(

@@ -179,12 +179,6 @@ def load_tfds(name: DatasetName, *, split: str,
 
   Raises:
     ConfigError: from `tfds_builder`, or an unknown split.
-
-  Example:
-    >>> def examples_fn(ctx):
-    ...   return load_tfds("tfdist_digits", split="train", input_context=ctx)
-    >>> dist = tfdist.data.distribute(strategy, examples_fn,
-    ...                               global_batch_size=64)
   """
   builder = tfds_builder(name, data_dir=data_dir, download=download,
                          download_timeout_s=download_timeout_s)

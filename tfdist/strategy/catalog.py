@@ -18,13 +18,6 @@ only the builders, which need TensorFlow. This module imports none, so
 | ``multi_worker_mirrored`` |       |            | ring, nccl                    | any            | without ps    |       |
 | ``parameter_server``    |         |            |                               | none           | with ps       |       |
 | ``tpu``                 |         |            |                               | none           |               | yes   |
-
-Example::
-
-  from tfdist.strategy import catalog
-
-  catalog.lookup("off").name                     # 'default'
-  catalog.lookup("mirrored").all_reduce["nccl"]  # ('cross_device_ops', 'nccl')
 """
 
 from __future__ import annotations

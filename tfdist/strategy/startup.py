@@ -2,11 +2,8 @@
 signal contract before training starts.
 
 Building `MultiWorkerMirroredStrategy` blocks inside TensorFlow until every
-task of the cluster has registered with the coordination service. A peer that
-never starts (its port is taken, it was not launched, it crashed) makes the
-others wait forever, and TensorFlow's own SIGTERM handler swallows the signal
-meanwhile (measured with TensorFlow 2.21: a task blocked at start-up outlived
-SIGTERM for minutes).
+task has registered; a peer that never starts makes the others wait forever,
+and TensorFlow's SIGTERM handler swallows the signal meanwhile.
 
 `bounded_startup` guards that call. TensorFlow holds the GIL while it waits,
 so no Python thread of the process can act: a small helper process watches
@@ -15,11 +12,9 @@ instead. Once the limit passes it prints one line
 addresses, and SIGKILLs the blocked process (exit status 137 in a shell, -9
 from ``subprocess``). A stop signal (`tfdist.errors.STOP_SIGNALS`) ends it
 with that signal's contract, saving nothing, since nothing exists yet: on
-SIGTERM or SIGUSR1 the helper prints ``tfdist: SIGTERM during cluster
-start-up: nothing to save yet; exiting with code 42`` and the process exits
-with 42 (the helper sends it a real-time signal whose handler is the C
-library's ``_exit``, which needs no GIL); on SIGINT it is ended by SIGINT
-(130 in a shell).
+SIGTERM or SIGUSR1 the helper prints one line and the process exits with 42
+(through a real-time signal whose handler is the C library's ``_exit``, which
+needs no GIL); on SIGINT it is ended by SIGINT.
 
 SIGTERM and SIGUSR1 are blocked in the main thread for the duration (and so
 in every thread TensorFlow starts meanwhile): they stay pending, where the
