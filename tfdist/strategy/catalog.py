@@ -7,17 +7,6 @@ flags (``--num_gpus``, ``--all_reduce_alg``, ``--worker_hosts``,
 it; `tfdist.strategy.factory` takes its names and options from it and keeps
 only the builders, which need TensorFlow. This module imports none, so
 ``tfdist --help`` and flag parsing stay light.
-
-| name                    | aliases | --num_gpus | --all_reduce_alg              | --worker_hosts | --slurm_roles | --tpu |
-|-------------------------|---------|------------|-------------------------------|----------------|---------------|-------|
-| ``auto``                |         |            |                               | any            | any           | yes   |
-| ``default``             | ``off`` | 0-1        |                               | at most 1      |               |       |
-| ``one_device``          |         | 0-1        |                               | at most 1      |               |       |
-| ``mirrored``            |         | 0..N       | `options.CROSS_DEVICE_OPS`    | at most 1      |               |       |
-| ``central_storage``     |         | 0..N       |                               | at most 1      |               |       |
-| ``multi_worker_mirrored`` |       |            | ring, nccl                    | any            | without ps    |       |
-| ``parameter_server``    |         |            |                               | none           | with ps       |       |
-| ``tpu``                 |         |            |                               | none           |               | yes   |
 """
 
 from __future__ import annotations
