@@ -2,16 +2,9 @@
 
 A message of m bytes between two hosts costs ``alpha + m / B`` (``alpha``
 one hop's latency, ``B`` one host's link rate each way; a non-blocking
-switch). The schedules are the socket ring's own
-(`tfdist.ring.socket_ring.SCHEDULES`, each module's ``seconds``); for an
-all-reduce of S bytes over p hosts:
-
-* **ring**: ``2 (p - 1) alpha + 2 (p - 1) / p * S / B``;
-* **halving** (then doubling): ``2 log2 p alpha + 2 (p - 1) / p * S / B``
-  for p a power of two;
-* **doubling**: ``log2 p (alpha + S / B)``;
-
-and **tfdist**, the rule's pick (`tfdist.ring.socket_ring.choose`).
+switch). Each schedule's time is its own module's ``seconds``
+(`tfdist.ring.socket_ring.SCHEDULES`); **tfdist** is the rule's pick
+(`tfdist.ring.socket_ring.choose`).
 
 A step (weak scaling) all-reduces its gradients in buckets
 (`DEFAULT_BUCKET_BYTES`) as the backward pass makes them: bucket k is ready
