@@ -32,23 +32,11 @@ from tfdist.strategy import catalog
 from tfdist.strategy.catalog import ALL_REDUCE_ALGS
 from tfdist.strategy.catalog import STRATEGY_CHOICES
 
-__all__ = [
-    "FlagHolders",
-    "StrategyConfig",
-    "TrainingOptions",
-    "STRATEGY_CHOICES",
-    "ALL_REDUCE_ALGS",
-    "MIXED_PRECISION_POLICIES",
-    "DTYPES",
-    "define_flags",
-    "parse_flags",
-    "run",
-    "strategy_config",
-    "cluster_from_flags",
-    "strategy_from_flags",
-    "training_options",
-    "apply_mixed_precision",
-]
+__all__ = ["FlagHolders", "StrategyConfig", "TrainingOptions",
+           "STRATEGY_CHOICES", "ALL_REDUCE_ALGS", "MIXED_PRECISION_POLICIES",
+           "DTYPES", "define_flags", "parse_flags", "run", "strategy_config",
+           "cluster_from_flags", "strategy_from_flags", "training_options",
+           "apply_mixed_precision"]
 
 FlagValues = flags.FlagValues
 _FLAGS = flags.FLAGS

@@ -28,12 +28,11 @@ from typing import Callable, Mapping, Sequence
 
 from tfdist.ring import socket_ring
 
-__all__ = ["Link", "Workload", "Step", "SCHEDULES", "WORKLOADS",
-           "HOST_COUNTS", "RATES_GBIT", "DEFAULT_LATENCY_S",
-           "DEFAULT_GOODPUT", "DEFAULT_BUCKET_BYTES", "BACKWARD_SHARE",
-           "WIDE_MLP", "CNN", "link_at", "allreduce_seconds",
-           "overlapped_seconds", "step", "project", "check",
-           "check_training", "format_table"]
+__all__ = ["Link", "Workload", "Step", "SCHEDULES", "WORKLOADS", "HOST_COUNTS",
+           "RATES_GBIT", "DEFAULT_LATENCY_S", "DEFAULT_GOODPUT",
+           "DEFAULT_BUCKET_BYTES", "BACKWARD_SHARE", "WIDE_MLP", "CNN",
+           "link_at", "allreduce_seconds", "overlapped_seconds", "step",
+           "project", "check", "check_training", "format_table"]
 
 #: One message's cost (s) when none is measured: what the socket ring's
 #: rule assumes (`tfdist.ring.socket_ring.DEFAULT_LATENCY_S`), a step of

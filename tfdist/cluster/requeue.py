@@ -41,16 +41,9 @@ from typing import Mapping
 
 from tfdist.errors import ConfigError
 
-__all__ = [
-    "REQUEUE_VARIABLE",
-    "MAX_REQUEUES_VARIABLE",
-    "TIMEOUT_SECONDS",
-    "RequeueOptions",
-    "options_from_environ",
-    "job_to_requeue",
-    "plan",
-    "requeue_after_save",
-]
+__all__ = ["REQUEUE_VARIABLE", "MAX_REQUEUES_VARIABLE", "TIMEOUT_SECONDS",
+           "RequeueOptions", "options_from_environ", "job_to_requeue", "plan",
+           "requeue_after_save"]
 
 #: ``1`` turns in-process requeue on, ``0`` or unset leaves it off.
 REQUEUE_VARIABLE = "TFDIST_SLURM_REQUEUE"

@@ -53,15 +53,8 @@ from typing import Any, Mapping
 from tfdist.cluster.info import ClusterInfo
 from tfdist.errors import ConfigError
 
-__all__ = [
-    "ENV_VAR",
-    "TOP_LEVEL_KEYS",
-    "CLUSTER_JOBS",
-    "TASK_TYPES",
-    "parse_tf_config",
-    "from_environ",
-    "dump_tf_config",
-]
+__all__ = ["ENV_VAR", "TOP_LEVEL_KEYS", "CLUSTER_JOBS", "TASK_TYPES",
+           "parse_tf_config", "from_environ", "dump_tf_config"]
 
 #: The environment variable TensorFlow reads.
 ENV_VAR = "TF_CONFIG"

@@ -27,13 +27,8 @@ from tfdist.data import sharding
 from tfdist.errors import ConfigError
 from tfdist.strategy import introspect
 
-__all__ = [
-    "DatasetFn",
-    "checked",
-    "distribute",
-    "distribute_dataset",
-    "make_dataset_fn",
-]
+__all__ = ["DatasetFn", "checked", "distribute", "distribute_dataset",
+           "make_dataset_fn"]
 
 #: ``input_context -> tf.data.Dataset``, as
 #: ``distribute_datasets_from_function`` and ``create_per_worker_dataset``

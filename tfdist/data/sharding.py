@@ -24,14 +24,8 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 
-__all__ = [
-    "ShardPolicy",
-    "choose_shard_policy",
-    "files_for_pipeline",
-    "set_shard_policy",
-    "shard_by_data",
-    "shard_policy_of",
-]
+__all__ = ["ShardPolicy", "choose_shard_policy", "files_for_pipeline",
+           "set_shard_policy", "shard_by_data", "shard_policy_of"]
 
 ShardPolicy = tf.data.experimental.AutoShardPolicy
 _T = TypeVar("_T")

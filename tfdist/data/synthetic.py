@@ -24,15 +24,8 @@ import tensorflow_datasets as tfds
 
 from tfdist.data import prepare as prepare_lib
 
-__all__ = [
-    "DIGITS_NAME",
-    "DIGITS_SPLITS",
-    "DIGITS_NUM_SHARDS",
-    "TfdistDigits",
-    "default_data_dir",
-    "prepare_digits",
-    "render_digit",
-]
+__all__ = ["DIGITS_NAME", "DIGITS_SPLITS", "DIGITS_NUM_SHARDS", "TfdistDigits",
+           "default_data_dir", "prepare_digits", "render_digit"]
 
 #: The TFDS name of the builder below.
 DIGITS_NAME = "tfdist_digits"

@@ -18,19 +18,9 @@ from typing import Any, Callable, Mapping
 from tfdist.errors import ConfigError
 from tfdist.strategy import options as opts
 
-__all__ = [
-    "StrategySpec",
-    "GpuRule",
-    "CATALOG",
-    "STRATEGY_NAMES",
-    "BUILT_NAMES",
-    "STRATEGY_CHOICES",
-    "ALL_REDUCE_ALGS",
-    "ROLE_RULES",
-    "lookup",
-    "gpu_devices",
-    "option_fields",
-]
+__all__ = ["StrategySpec", "GpuRule", "CATALOG", "STRATEGY_NAMES",
+           "BUILT_NAMES", "STRATEGY_CHOICES", "ALL_REDUCE_ALGS", "ROLE_RULES",
+           "lookup", "gpu_devices", "option_fields"]
 
 #: ``--slurm_roles`` acceptance: ``any``; ``ps`` (the roles must include ps
 #: tasks); ``no_ps`` (they must not); ``""`` (the flag is not accepted).
