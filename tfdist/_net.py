@@ -18,11 +18,9 @@ import time
 from typing import Mapping
 
 __all__ = ["JOB_SECRET_VARIABLE", "job_secret", "family", "free_ports",
-           "port_problem",
-           "lookup", "LOOKUP_TIMEOUT_SECONDS", "reachable", "grpc_answers",
-           "is_local",
-           "is_loopback", "split_address", "child_env", "cluster_tf_configs",
-           "worker_tf_configs", "REPO_ROOT"]
+           "port_problem", "lookup", "LOOKUP_TIMEOUT_SECONDS", "reachable",
+           "grpc_answers", "is_local", "is_loopback", "split_address",
+           "child_env", "cluster_tf_configs", "worker_tf_configs", "REPO_ROOT"]
 
 #: The directory holding the ``tfdist`` package (a checkout or site-packages).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

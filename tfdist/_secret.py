@@ -30,13 +30,6 @@ connection for long and cannot keep a peer out:
 One thread drives every connection in flight without blocking
 (`Gate.poll`). The secret itself comes from `tfdist._net.job_secret`.
 Nothing here imports TensorFlow or other tfdist modules.
-
-Example::
-
-  gate = Gate(terms, listener=listener, dropped=log)
-  while not done:
-    for proven in gate.poll(0.2):
-      serve(proven.sock, proven.key)
 """
 
 from __future__ import annotations

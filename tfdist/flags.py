@@ -10,42 +10,7 @@ default (``--num_packs=1``, ``--tpu=''``, ``--task_index=-1``,
 ``get_distribution_strategy`` ignores is ignored too, said in one
 ``tfdist: note:`` line on stderr. What each ``--strategy`` accepts is read from
 `tfdist.strategy.catalog`, the table the factory reads too.
-
-| flag                      | meaning                                            |
-|---------------------------|----------------------------------------------------|
-| ``--strategy``            | one of `STRATEGY_CHOICES`; ``off`` is ``default``  |
-| ``--distribution_strategy`` | alias of ``--strategy`` (Model Garden's name)    |
-| ``--num_gpus``            | GPUs for one_device (0-1), mirrored, central_storage; 0 or 1 with off; -1: all; ignored (with a note) by the multi-worker, parameter-server and TPU strategies, as in Model Garden |
-| ``--all_reduce_alg``      | mirrored: nccl, hierarchical_copy, reduction_to_one_device; multi_worker_mirrored: ring, nccl; ignored (with a note) by the others |
-| ``--tpu``                 | ``local`` (or ``''``), a TPU name or ``grpc://host:port``; ignored (with a note) by non-TPU strategies |
-| ``--tpu_zone``, ``--tpu_project`` | the Cloud zone and project of a named TPU; alias ``--tpu_gcp_project`` |
-| ``--num_packs``           | gradient packs of mirrored's nccl and hierarchical_copy all-reduce (1); ignored (with a note) elsewhere |
-| ``--worker_hosts``        | ``host:port,host:port``: an explicit cluster of workers |
-| ``--task_index``          | this process's index in ``--worker_hosts``; -1: unset |
-| ``--slurm_roles``         | ``chief=1,ps=1,worker=2``: SLURM ranks' roles, in rank order |
-| ``--mixed_precision``     | none, float16, bfloat16: see `apply_mixed_precision` |
-| ``--dtype``               | Model Garden's name for it: fp32, fp16, bf16       |
-| ``--loss_scale``          | fp16 only (ignored, with a note, otherwise): ``dynamic`` or a starting scale; see `TrainingOptions.loss_scale_optimizer` |
-| ``--jit_compile``         | XLA; alias ``--enable_xla``                        |
-| ``--steps_per_execution`` | steps per ``tf.function`` call                     |
-
-Example::
-
-  from absl import app
-  import tfdist.flags
-
-  tfdist.flags.define_flags()
-
-  def main(argv):
-    tfdist.flags.apply_mixed_precision()
-    strategy = tfdist.flags.strategy_from_flags()
-    run = tfdist.flags.training_options()
-    with strategy.scope():
-      model = build_model()
-      model.compile(..., **run.compile_kwargs())
-
-  if __name__ == "__main__":
-    tfdist.flags.run(main)   # app.run, bad input -> "tfdist: ..." + exit 2.
+The flags and an example are in the README.
 """
 
 from __future__ import annotations
@@ -67,23 +32,11 @@ from tfdist.strategy import catalog
 from tfdist.strategy.catalog import ALL_REDUCE_ALGS
 from tfdist.strategy.catalog import STRATEGY_CHOICES
 
-__all__ = [
-    "FlagHolders",
-    "StrategyConfig",
-    "TrainingOptions",
-    "STRATEGY_CHOICES",
-    "ALL_REDUCE_ALGS",
-    "MIXED_PRECISION_POLICIES",
-    "DTYPES",
-    "define_flags",
-    "parse_flags",
-    "run",
-    "strategy_config",
-    "cluster_from_flags",
-    "strategy_from_flags",
-    "training_options",
-    "apply_mixed_precision",
-]
+__all__ = ["FlagHolders", "StrategyConfig", "TrainingOptions",
+           "STRATEGY_CHOICES", "ALL_REDUCE_ALGS", "MIXED_PRECISION_POLICIES",
+           "DTYPES", "define_flags", "parse_flags", "run", "strategy_config",
+           "cluster_from_flags", "strategy_from_flags", "training_options",
+           "apply_mixed_precision"]
 
 FlagValues = flags.FlagValues
 _FLAGS = flags.FLAGS
@@ -326,11 +279,6 @@ def _check_slurm_roles(raw: str | None) -> bool:
     except ConfigError as e:
       raise flags.ValidationError(str(e)) from None
   return True
-
-
-def _accepted_by(predicate: Callable[[catalog.StrategySpec], bool]) -> str:
-  return ", ".join(n for n in STRATEGY_CHOICES
-                   if predicate(catalog.lookup(n)))
 
 
 def _check_num_gpus(values: Mapping[str, Any]) -> bool:

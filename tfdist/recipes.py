@@ -23,8 +23,7 @@ from absl import flags
 from absl import logging
 
 __all__ = ["ExampleConfig", "define_example_flags", "example_config",
-           "quiet_logs",
-           "build_model", "dataset_fn", "train_with_fit",
+           "quiet_logs", "build_model", "dataset_fn", "train_with_fit",
            "train_with_custom_loop"]
 
 _FLAGS = flags.FLAGS

@@ -9,9 +9,6 @@ allocation that is not an srun step; ``TFDIST_TRANSPORT`` and
 TensorFlow loads, so a bad configuration fails fast. Where TensorFlow or
 Keras cannot be imported, a failed check names the error and the report
 gives everything else.
-
-Example:
-  >>> print(format_report(gather()))  # doctest: +SKIP
 """
 
 from __future__ import annotations

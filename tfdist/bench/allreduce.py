@@ -137,13 +137,10 @@ def sweep(strategy, *, sizes_mb: Sequence[float], methods: Sequence[str],
     ``{method: {size_mb: {"seconds": ..., "algbw": ..., "busbw": ...,
     "cpu_per_wall": ..., "cpu_seconds": ...}}}`` with bandwidths in bytes
     per second; ``cpu_seconds`` is this process's CPU seconds (all its
-    threads) per all-reduce, ``cpu_per_wall`` per second of the calls:
-    near the cores it may use, the all-reduce is bound by the processor,
-    not the link. ``machine_busy`` (where the
-    system has ``/proc/stat``) is the share of this machine's processors
-    busy over the timed calls, every process and the kernel's network work
-    included: near 1, no processor was left for a faster all-reduce;
-    ``softirq_share`` the share in the kernel's packet work.
+    threads) per all-reduce, ``cpu_per_wall`` per second of the calls.
+    ``machine_busy`` (where the system has ``/proc/stat``) is the share of
+    this machine's processors busy over the timed calls, the kernel's
+    network work included; ``softirq_share`` the share in packet work.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   n = strategy.num_replicas_in_sync

@@ -2,16 +2,9 @@
 
 A message of m bytes between two hosts costs ``alpha + m / B`` (``alpha``
 one hop's latency, ``B`` one host's link rate each way; a non-blocking
-switch). The schedules are the socket ring's own
-(`tfdist.ring.socket_ring.SCHEDULES`, each module's ``seconds``); for an
-all-reduce of S bytes over p hosts:
-
-* **ring**: ``2 (p - 1) alpha + 2 (p - 1) / p * S / B``;
-* **halving** (then doubling): ``2 log2 p alpha + 2 (p - 1) / p * S / B``
-  for p a power of two;
-* **doubling**: ``log2 p (alpha + S / B)``;
-
-and **tfdist**, the rule's pick (`tfdist.ring.socket_ring.choose`).
+switch). Each schedule's time is its own module's ``seconds``
+(`tfdist.ring.socket_ring.SCHEDULES`); **tfdist** is the rule's pick
+(`tfdist.ring.socket_ring.choose`).
 
 A step (weak scaling) all-reduces its gradients in buckets
 (`DEFAULT_BUCKET_BYTES`) as the backward pass makes them: bucket k is ready
@@ -24,11 +17,6 @@ Efficiency is ``T_step(1) / T_step(p)``; ``serial_s`` is compute plus one
 all-reduce of all the gradients. `check` and `check_training` set measured
 all-reduces and steps beside the model, from the same run's alpha and B
 (``tfdist bench --across-hosts``); `project` is ``tfdist bench --project``.
-
-Example::
-
-  link = link_at(10)                      # 10 Gbit/s, DEFAULT_LATENCY_S
-  step(WIDE_MLP, p=8, link=link).steps_per_s  # tfdist's pick, overlapped
 """
 
 from __future__ import annotations
@@ -40,12 +28,11 @@ from typing import Callable, Mapping, Sequence
 
 from tfdist.ring import socket_ring
 
-__all__ = ["Link", "Workload", "Step", "SCHEDULES", "WORKLOADS",
-           "HOST_COUNTS", "RATES_GBIT", "DEFAULT_LATENCY_S",
-           "DEFAULT_GOODPUT", "DEFAULT_BUCKET_BYTES", "BACKWARD_SHARE",
-           "WIDE_MLP", "CNN", "link_at", "allreduce_seconds",
-           "overlapped_seconds", "step", "project", "check",
-           "check_training", "format_table"]
+__all__ = ["Link", "Workload", "Step", "SCHEDULES", "WORKLOADS", "HOST_COUNTS",
+           "RATES_GBIT", "DEFAULT_LATENCY_S", "DEFAULT_GOODPUT",
+           "DEFAULT_BUCKET_BYTES", "BACKWARD_SHARE", "WIDE_MLP", "CNN",
+           "link_at", "allreduce_seconds", "overlapped_seconds", "step",
+           "project", "check", "check_training", "format_table"]
 
 #: One message's cost (s) when none is measured: what the socket ring's
 #: rule assumes (`tfdist.ring.socket_ring.DEFAULT_LATENCY_S`), a step of

@@ -9,12 +9,6 @@ is measured by the sweep that uses it (`tfdist.bench.schedules`). It reads
 ``PORT DELAY_S`` lines on stdin, answers each with its relay port, and ends
 when stdin closes; it asks the kernel for 1 us of timer slack, so 25 us is
 not 75.
-
-Example::
-
-  with Relay("10.0.0.1") as relay:
-    port = relay.forward(listener.getsockname()[1], delay_s=250e-6)
-    # Peers dial 10.0.0.1:port.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """In-process requeue: the task that saved on preemption requeues its SLURM job.
 
-tfdist's sbatch scripts requeue from the batch shell by default: the shell
-gets USR1 (``--signal=B:USR1@N``), forwards it to the tasks, waits for them
-to save and exit 42 and runs ``scontrol requeue``. Many SLURM users write
-their own script instead, with ``--signal=USR1@N`` (USR1 to the tasks) and a
-bare ``srun python train.py``, or no ``srun`` at all, and expect the training
-process to requeue its job after it saved (PyTorch Lightning's
-``SLURMEnvironment(auto_requeue=True)``). `requeue_after_save` does that for
-tfdist: ``tfdist.fit(backup_dir=...)``, `tfdist.BackupAndRestore` and
-`tfdist.Runner` call it on the chief once every worker saved at the agreed
-step on SIGTERM or SIGUSR1 (`tfdist.training.preemption`), just before the
-process exits with 42.
+For scripts that send USR1 to the tasks (``--signal=USR1@N``) and expect the
+training process to requeue its job after it saved, as PyTorch Lightning's
+``auto_requeue`` does. ``tfdist.fit(backup_dir=...)``, `tfdist.BackupAndRestore`
+and `tfdist.Runner` call `requeue_after_save` on the chief once every worker
+saved on SIGTERM or SIGUSR1, just before the process exits with 42.
 
 The rule, read from the environment of every task:
 
 * off unless ``TFDIST_SLURM_REQUEUE=1`` (`REQUEUE_VARIABLE`; ``tfdist slurm
-  --requeue-from task`` exports it). Off by default because tfdist's own
-  default scripts requeue from the batch shell, which would then requeue a
-  second time, and a job submitted without ``--requeue`` on a cluster with
-  ``JobRequeue=0`` cannot be requeued at all;
+  --requeue-from task`` exports it): tfdist's default scripts requeue from
+  the batch shell instead;
 * only the chief (`tfdist.cluster.info.is_chief_task`: rank 0 of an
   MultiWorkerMirrored step, the ParameterServer coordinator, a single
   process) runs ``scontrol requeue``, bounded by `TIMEOUT_SECONDS`, and
@@ -33,20 +25,9 @@ The rule, read from the environment of every task:
   ``SLURM_RESTART_COUNT`` (SLURM's count of this job's requeues) reaches K
   the job is not requeued and ends with 42.
 
-Requeueing a running job makes SLURM end it (SIGTERM to every task, SIGKILL
-``KillWait`` seconds later) and put it back in the queue; the tasks have
-saved by then and only log the SIGTERM. Nothing here raises once training
-saved: a failed or timed-out scontrol is a logged line, never a hang, and the
-exit code stays 42. TensorFlow-free.
-
-Example:
-  >>> options = RequeueOptions(enabled=True, max_requeues=3)
-  >>> job_to_requeue({"SLURM_JOB_ID": "7", "SLURM_ARRAY_JOB_ID": "5",
-  ...                 "SLURM_ARRAY_TASK_ID": "2"})
-  '5_2'
-  >>> plan(options, {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "3"})[0]
-  >>> plan(options, {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2"})[0]
-  '7'
+SLURM then ends the job (the saved tasks only log the SIGTERM) and queues it
+again. Nothing here raises: a failed or timed-out scontrol is a logged line,
+and the exit code stays 42. TensorFlow-free.
 """
 
 from __future__ import annotations
@@ -60,16 +41,9 @@ from typing import Mapping
 
 from tfdist.errors import ConfigError
 
-__all__ = [
-    "REQUEUE_VARIABLE",
-    "MAX_REQUEUES_VARIABLE",
-    "TIMEOUT_SECONDS",
-    "RequeueOptions",
-    "options_from_environ",
-    "job_to_requeue",
-    "plan",
-    "requeue_after_save",
-]
+__all__ = ["REQUEUE_VARIABLE", "MAX_REQUEUES_VARIABLE", "TIMEOUT_SECONDS",
+           "RequeueOptions", "options_from_environ", "job_to_requeue", "plan",
+           "requeue_after_save"]
 
 #: ``1`` turns in-process requeue on, ``0`` or unset leaves it off.
 REQUEUE_VARIABLE = "TFDIST_SLURM_REQUEUE"

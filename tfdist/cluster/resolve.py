@@ -60,12 +60,6 @@ def resolve_cluster(cluster: ClusterLike | None = None, *,
   Raises:
     ConfigError: the chosen source is malformed or, with ``source`` set,
       absent.
-
-  Example:
-    >>> info = resolve_cluster({"cluster": {"worker": ["localhost:2222"]},
-    ...                         "task": {"type": "worker", "index": 0}})
-    >>> info.source, info.task_type, info.task_id
-    ('explicit', 'worker', 0)
   """
   environ = os.environ if environ is None else environ
   if source not in SOURCE_CHOICES:

@@ -43,10 +43,6 @@ class SlurmClusterResolver(StaticClusterResolver):
   Unlike ``tf.distribute.cluster_resolver.SlurmClusterResolver`` it keeps
   SLURM's rank order, works without GPUs and never writes the environment
   (tensorflow/tensorflow#56894).
-
-  Example:
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(
-        cluster_resolver=SlurmClusterResolver())
   """
 
   def __init__(self, *, roles: slurm_lib.Roles | None = None,

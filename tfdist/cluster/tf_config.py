@@ -1,11 +1,8 @@
 """Reads and checks TF_CONFIG, the JSON that multi-worker TensorFlow reads.
 
-TensorFlow itself checks almost nothing: malformed JSON surfaces as a bare
-`json.JSONDecodeError`, an address without a port fails deep inside the C++
-runtime, and duplicated addresses hang. This module checks the whole document
-up front and raises one `tfdist.errors.ConfigError` naming the field (e.g.
-``TF_CONFIG task.index``), the value received, what was expected and the source.
-It imports no TensorFlow, so it is cheap to call from launchers.
+TensorFlow checks almost nothing (a missing port fails in C++, a duplicated
+address hangs), so this module checks the whole document up front and raises one
+`tfdist.errors.ConfigError` naming the field. It imports no TensorFlow.
 
 The rules, in the order they are checked:
 
@@ -16,7 +13,7 @@ The rules, in the order they are checked:
 * The top level is an object whose keys are among ``cluster``, ``task``,
   ``rpc_layer``, ``environment`` and ``session_master``: the keys TensorFlow
   reads (``session_master`` only by TF1's ``TFConfigClusterResolver.master``).
-  Any other key is rejected, since it is almost always a typo TF would ignore.
+  Any other key is rejected: it is almost always a typo.
 * ``cluster`` is present and a non-empty object. Its job names are ``chief``,
   ``worker`` or ``ps``. ``evaluator`` is a task type only: the side-car
   evaluator is not part of the training cluster, so it may not be a job.
@@ -40,19 +37,10 @@ The rules, in the order they are checked:
 * ``task.index`` is a non-negative integer below the number of tasks in that
   job (0 for the evaluator, as there is at most one). TensorFlow calls
   ``int()`` on it, so a string of decimal digits such as ``"1"`` is accepted
-  and converted; booleans, floats (``int(1.5)`` silently gives 1) and other
-  strings are rejected.
+  and converted; booleans, floats and other strings are rejected.
 * ``rpc_layer``, when given, is a non-empty protocol name such as ``grpc``;
   it defaults to ``grpc``. ``environment`` and ``session_master``, when given,
   are strings; they are checked but not kept.
-
-Example:
-
-  >>> info = parse_tf_config(
-  ...     '{"cluster": {"worker": ["w0:2222", "w1:2222"]},'
-  ...     ' "task": {"type": "worker", "index": 1}}')
-  >>> info.task_type, info.task_id, info.address
-  ('worker', 1, 'w1:2222')
 """
 
 from __future__ import annotations
@@ -65,15 +53,8 @@ from typing import Any, Mapping
 from tfdist.cluster.info import ClusterInfo
 from tfdist.errors import ConfigError
 
-__all__ = [
-    "ENV_VAR",
-    "TOP_LEVEL_KEYS",
-    "CLUSTER_JOBS",
-    "TASK_TYPES",
-    "parse_tf_config",
-    "from_environ",
-    "dump_tf_config",
-]
+__all__ = ["ENV_VAR", "TOP_LEVEL_KEYS", "CLUSTER_JOBS", "TASK_TYPES",
+           "parse_tf_config", "from_environ", "dump_tf_config"]
 
 #: The environment variable TensorFlow reads.
 ENV_VAR = "TF_CONFIG"
@@ -117,12 +98,6 @@ def parse_tf_config(config: str | Mapping[str, Any], *,
   Raises:
     ConfigError: if the config breaks any rule in this module's docstring. Its
       ``field`` names the offending part, e.g. ``"TF_CONFIG task.index"``.
-
-  Example:
-
-    >>> parse_tf_config({"cluster": {"chief": ["c:2222"]},
-    ...                  "task": {"type": "chief", "index": 0}}).is_chief
-    True
   """
   if isinstance(config, str):
     config = _decode(config, source)
@@ -160,9 +135,7 @@ def from_environ(environ: Mapping[str, str] | None = None
     The parsed `ClusterInfo`, or ``None`` when TF_CONFIG is not set at all.
 
   Raises:
-    ConfigError: if TF_CONFIG is set but invalid. Set but empty (or only
-      whitespace) is an error, not "unset": it usually means a launcher
-      template expanded to nothing.
+    ConfigError: if TF_CONFIG is set but invalid (empty is invalid).
   """
   if environ is None:
     import os  # Deferred so that the default is read at call time.
@@ -189,13 +162,6 @@ def dump_tf_config(info: ClusterInfo) -> str:
 
   Raises:
     ConfigError: if `info` has no task or describes an invalid cluster.
-
-  Example:
-
-    >>> info = parse_tf_config({"cluster": {"worker": ["w0:2222"]},
-    ...                         "task": {"type": "worker", "index": 0}})
-    >>> print(dump_tf_config(info))
-    {"cluster": {"worker": ["w0:2222"]}, "task": {"type": "worker", "index": 0}}
   """
   source = f"dump_tf_config of a cluster from {info.origin}"
   if info.task_type is None or info.task_id is None:

@@ -11,18 +11,6 @@
   ``distribute_datasets_from_function``; `make_dataset_fn` gives the same
   ``dataset_fn`` to APIs that take one (ParameterServerStrategy's
   ``create_per_worker_dataset``).
-
-Example::
-
-    import tfdist
-    from tfdist import data
-
-    strategy = tfdist.make_strategy("auto")
-    dist = data.distribute(
-        strategy,
-        lambda ctx: data.load_tfds("tfdist_digits", split="train",
-                                   input_context=ctx, as_supervised=True),
-        global_batch_size=64)
 """
 
 from tfdist import _lazy

@@ -84,10 +84,6 @@ class Batching:
       ConfigError: neither size given, a size that is not a positive integer,
         a global batch that ``num_replicas`` does not divide, or two sizes
         that disagree. The error's ``field`` names the offending argument.
-
-    Example:
-      >>> Batching.resolve(num_replicas=2, global_batch_size=64)
-      Batching(global_batch_size=64, per_replica_batch_size=32, ...)
     """
     _check_positive("num_replicas", num_replicas, source)
     if global_batch_size is None and per_replica_batch_size is None:

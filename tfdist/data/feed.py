@@ -5,13 +5,7 @@ returning this input pipeline's unbatched examples (e.g. `load_tfds` with the
 context, which shards by file), and tfdist batches them with
 ``input_context.get_per_replica_batch_size(global_batch_size)``, drops the
 remainder on TPUs, prefetches, and calls
-``strategy.distribute_datasets_from_function``::
-
-    dist = tfdist.data.distribute(
-        strategy,
-        lambda ctx: tfdist.data.load_tfds("tfdist_digits", split="train",
-                                          input_context=ctx),
-        global_batch_size=64)
+``strategy.distribute_datasets_from_function``.
 
 `make_dataset_fn` returns the same batched ``dataset_fn`` without
 distributing it, for the APIs that take one themselves:
@@ -33,13 +27,8 @@ from tfdist.data import sharding
 from tfdist.errors import ConfigError
 from tfdist.strategy import introspect
 
-__all__ = [
-    "DatasetFn",
-    "checked",
-    "distribute",
-    "distribute_dataset",
-    "make_dataset_fn",
-]
+__all__ = ["DatasetFn", "checked", "distribute", "distribute_dataset",
+           "make_dataset_fn"]
 
 #: ``input_context -> tf.data.Dataset``, as
 #: ``distribute_datasets_from_function`` and ``create_per_worker_dataset``
@@ -58,12 +47,9 @@ def make_dataset_fn(examples_fn: DatasetFn, *, global_batch_size: int,
                     repeat: bool = False) -> DatasetFn:
   """Wraps ``examples_fn`` into a ``dataset_fn`` of per-replica batches.
 
-  The returned function, given an `InputContext`, calls ``examples_fn``, then
-  maps, shuffles, repeats, batches with the per-replica batch size
-  ``input_context.get_per_replica_batch_size(global_batch_size)`` and
-  prefetches with ``AUTOTUNE``. Its dataset is marked ``OFF`` for auto-sharding:
-  this pipeline's share was chosen already, by ``examples_fn`` or by
-  ``shard_by_data``.
+  The function maps, shuffles, repeats, batches and prefetches; its dataset is
+  marked ``OFF`` for auto-sharding, since this pipeline's share was chosen
+  already, by ``examples_fn`` or by ``shard_by_data``.
 
   Args:
     examples_fn: returns this input pipeline's unbatched examples, e.g.
@@ -140,11 +126,8 @@ def distribute(strategy: tf.distribute.Strategy, examples_fn: DatasetFn, *,
     global_batch_size: examples per step over all replicas.
     per_replica_batch_size: or examples per step per replica; give one.
     drop_remainder: ``None``: exactly on TPU strategies.
-    shard_by_data: see `make_dataset_fn`.
-    map_fn: see `make_dataset_fn`.
-    shuffle_buffer_size: see `make_dataset_fn`.
-    seed: see `make_dataset_fn`.
-    repeat: see `make_dataset_fn`.
+    shard_by_data, map_fn, shuffle_buffer_size, seed, repeat: as in
+      `make_dataset_fn`.
     coordinator: the ``ClusterCoordinator``, required with
       ParameterServerStrategy, whose datasets live on the workers.
     options: ``tf.distribute.InputOptions`` for the distribution.
@@ -157,12 +140,6 @@ def distribute(strategy: tf.distribute.Strategy, examples_fn: DatasetFn, *,
     ConfigError: batch sizes as in `tfdist.data.Batching.resolve`;
       ``drop_remainder=False`` on a TPU; ParameterServerStrategy without a
       coordinator.
-
-  Example:
-    >>> dist = distribute(strategy, lambda ctx: load_tfds(
-    ...     "tfdist_digits", split="train", input_context=ctx),
-    ...     global_batch_size=64)
-    >>> for batch in dist: strategy.run(step, args=(batch,))
   """
   batching = batching_lib.batching_for(
       strategy, global_batch_size=global_batch_size,
@@ -195,19 +172,15 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
                        ) -> Any:
   """``experimental_distribute_dataset`` with the batch and shards stated.
 
-  ``dataset`` is batched with the *global* batch size; ``tf.distribute``
-  splits each batch over the replicas, which needs that size: taken from
-  ``global_batch_size`` or, when omitted, from the dataset's static batch
-  dimension (``batch(..., drop_remainder=True)``). The shard policy comes from
-  `tfdist.data.choose_shard_policy` with the workers of ``strategy`` and
-  ``num_files``, and is written into the dataset's options, so TensorFlow
-  neither guesses (``AUTO``) nor warns.
+  The shard policy comes from `tfdist.data.choose_shard_policy` and is written
+  into the dataset's options, so TensorFlow neither guesses (``AUTO``) nor
+  warns.
 
   Args:
     strategy: the strategy to feed.
     dataset: batched with the global batch size.
-    global_batch_size: the global batch size, when the dataset's batch
-      dimension is not static.
+    global_batch_size: the global batch size; by default the dataset's
+      static batch dimension (``batch(..., drop_remainder=True)``).
     num_files: the files ``dataset`` reads (FILE sharding when there are at
       least as many as workers); ``None`` when it reads none or is unknown.
     options: ``tf.distribute.InputOptions``.

@@ -24,14 +24,8 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 
-__all__ = [
-    "ShardPolicy",
-    "choose_shard_policy",
-    "files_for_pipeline",
-    "set_shard_policy",
-    "shard_by_data",
-    "shard_policy_of",
-]
+__all__ = ["ShardPolicy", "choose_shard_policy", "files_for_pipeline",
+           "set_shard_policy", "shard_by_data", "shard_policy_of"]
 
 ShardPolicy = tf.data.experimental.AutoShardPolicy
 _T = TypeVar("_T")
@@ -52,10 +46,6 @@ def choose_shard_policy(*, num_workers: int,
 
   Raises:
     ConfigError: ``num_workers`` below 1 or ``num_files`` negative.
-
-  Example:
-    >>> choose_shard_policy(num_workers=2, num_files=4)
-    <AutoShardPolicy.FILE: 1>
   """
   if isinstance(num_workers, bool) or not isinstance(num_workers, int) or (
       num_workers < 1):
@@ -120,12 +110,6 @@ def files_for_pipeline(files: Sequence[_T],
   With FILE (at least one file per pipeline) pipeline ``i`` of ``n`` gets
   ``files[i::n]``. With DATA it gets every file and must call
   `shard_by_data` on the examples it reads.
-
-  Example:
-    >>> mine, policy = files_for_pipeline(paths, ctx)
-    >>> ds = tf.data.TFRecordDataset(mine).map(parse)
-    >>> if policy == ShardPolicy.DATA:
-    ...   ds = shard_by_data(ds, ctx)
   """
   files = list(files)
   n = input_context.num_input_pipelines if input_context is not None else 1

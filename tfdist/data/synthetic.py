@@ -24,15 +24,8 @@ import tensorflow_datasets as tfds
 
 from tfdist.data import prepare as prepare_lib
 
-__all__ = [
-    "DIGITS_NAME",
-    "DIGITS_SPLITS",
-    "DIGITS_NUM_SHARDS",
-    "TfdistDigits",
-    "default_data_dir",
-    "prepare_digits",
-    "render_digit",
-]
+__all__ = ["DIGITS_NAME", "DIGITS_SPLITS", "DIGITS_NUM_SHARDS", "TfdistDigits",
+           "default_data_dir", "prepare_digits", "render_digit"]
 
 #: The TFDS name of the builder below.
 DIGITS_NAME = "tfdist_digits"
@@ -151,10 +144,6 @@ def prepare_digits(data_dir: str | os.PathLike[str] | None = None, *,
   Raises:
     ConfigError: the wait outlived ``lock_timeout_s``, or the chief's build
       failed.
-
-  Example:
-    >>> builder = prepare_digits("/tmp/tfds")
-    >>> ds = builder.as_dataset(split="train")
   """
   data_dir = os.fspath(data_dir) if data_dir else default_data_dir()
   return prepare_lib.prepared(

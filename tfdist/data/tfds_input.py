@@ -160,17 +160,14 @@ def load_tfds(name: DatasetName, *, split: str,
   """Reads this input pipeline's share of a TFDS split, unbatched.
 
   Args:
-    name: see `tfds_builder`.
+    name, data_dir, download, download_timeout_s: as in `tfds_builder`.
     split: a split or slice, e.g. ``"train"`` or ``"train[:10%]"``.
     input_context: from ``distribute_datasets_from_function``; ``None`` (or
       one pipeline) reads the whole split.
-    data_dir: see `tfds_builder`.
     as_supervised: ``(image, label)``-style tuples instead of dicts.
     shuffle_files: shuffle the order of this pipeline's files.
     seed: the file-shuffle seed; with DATA sharding 0 when omitted, so that
       every pipeline reads one order and keeps a disjoint share.
-    download: see `tfds_builder`.
-    download_timeout_s: see `tfds_builder`.
     decoders: passed to ``as_dataset``.
 
   Returns:
@@ -179,12 +176,6 @@ def load_tfds(name: DatasetName, *, split: str,
 
   Raises:
     ConfigError: from `tfds_builder`, or an unknown split.
-
-  Example:
-    >>> def examples_fn(ctx):
-    ...   return load_tfds("tfdist_digits", split="train", input_context=ctx)
-    >>> dist = tfdist.data.distribute(strategy, examples_fn,
-    ...                               global_batch_size=64)
   """
   builder = tfds_builder(name, data_dir=data_dir, download=download,
                          download_timeout_s=download_timeout_s)
@@ -230,10 +221,9 @@ def tfds_dataset_fn(name: DatasetName, *, split: str, global_batch_size: int,
   ParameterServerStrategy, ``coordinator.create_per_worker_dataset``.
 
   Args:
-    name: see `tfds_builder`.
-    split: see `load_tfds`.
+    name, data_dir, download: as in `tfds_builder`.
+    split: as in `load_tfds`.
     global_batch_size: examples per step over all replicas.
-    data_dir: see `tfds_builder`.
     as_supervised: tuples (the default here, what ``model.fit`` takes).
     map_fn: applied to each example before batching.
     shuffle_buffer_size: examples in the shuffle buffer (files are shuffled
@@ -241,7 +231,6 @@ def tfds_dataset_fn(name: DatasetName, *, split: str, global_batch_size: int,
     seed: shuffle seed.
     repeat: repeat forever.
     drop_remainder: drop the last, smaller batch.
-    download: see `tfds_builder`.
 
   Returns:
     ``dataset_fn(input_context) -> tf.data.Dataset``.

@@ -12,24 +12,9 @@ TensorFlow and build its strategy itself (``tfdist.make_strategy()``), since
 each worker is a new process. Nothing of TensorFlow runs in the notebook's
 own process, which can launch again.
 
-A worker that raises makes the call raise `tfdist.errors.WorkerFailedError`
-with the worker's role, exit code and traceback; the other workers are
-stopped. A preempted worker (it saved and exited 42) raises it too, saying
-the step it saved at and that calling again resumes. Interrupting the cell (the stop button sends SIGINT) stops every
-worker, and `KeyboardInterrupt` is raised; no process is left behind, and the
-temporary files are removed in every case.
-
-Example::
-
-  def train(epochs):
-    import tfdist, keras
-    strategy = tfdist.make_strategy()
-    with strategy.scope():
-      model = ...
-    model.fit(..., epochs=epochs)
-    return model.get_weights()
-
-  weights = tfdist.notebook_launcher(train, (3,), num_workers=2)
+A failed or preempted worker, or an interrupted cell, stops every worker (see
+`notebook_launcher`'s Raises); no process is left behind, and the temporary
+files are removed in every case.
 """
 
 from __future__ import annotations

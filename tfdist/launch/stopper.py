@@ -6,10 +6,6 @@ what it started, grandchildren included. `stop` asks every group to stop
 (SIGTERM), waits out one grace period for them all, SIGKILLs the groups
 still alive, and SIGKILLs every group once more for stray grandchildren
 whose leader already ended. Every wait is bounded. TensorFlow-free.
-
-Example:
-  >>> stop([subprocess.Popen(["sleep", "60"], start_new_session=True)],
-  ...      grace_seconds=5)  # doctest: +SKIP
 """
 
 from __future__ import annotations

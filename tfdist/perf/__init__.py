@@ -22,16 +22,7 @@ from tfdist.strategy.gradient_options import get_compression
 from tfdist.strategy.gradient_options import gradient_options_of
 from tfdist.strategy.transport import close_transports
 
-__all__ = [
-    "COMPRESSIONS",
-    "Compression",
-    "GradientOptions",
-    "SocketRing",
-    "TRANSPORTS",
-    "accumulating_step",
-    "close_transports",
-    "get_compression",
-    "gradient_options_of",
-    "with_accumulation",
-    "with_gradient_options",
-]
+__all__ = ["COMPRESSIONS", "Compression", "GradientOptions", "SocketRing",
+           "TRANSPORTS", "accumulating_step", "close_transports",
+           "get_compression", "gradient_options_of", "with_accumulation",
+           "with_gradient_options"]

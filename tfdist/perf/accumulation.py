@@ -10,12 +10,9 @@ Keras's own ``gradient_accumulation_steps`` cannot do this under a
 tf.distribute strategy on CPU: it all-reduces inside a ``tf.cond``, where a
 ``merge_call`` is not allowed. Here no synchronization is conditional.
 
-* `accumulating_step` is a `tfdist.Runner` step.
-* `with_accumulation` gives a Keras model the same ``train_step`` for
-  ``fit`` and `tfdist.fit` (batch the data ``k`` times larger).
-* `scaled_loss` is a replica's share of the global mean loss; with one
-  micro-batch (k = 1, no split, no float32 sum) `accumulating_step` is the
-  plain step that `tfdist.supervised_step` builds on.
+`accumulating_step` is a `tfdist.Runner` step (with k = 1, the plain step
+`tfdist.supervised_step` builds on); `with_accumulation` does the same for
+``fit``.
 """
 
 from __future__ import annotations

@@ -6,13 +6,6 @@ Keras optimizer; the one hook tfdist installs on every Keras optimizer
 (`tfdist.strategy.transport.keras_all_reduce`) reads them, so the optimizer
 serves Keras ``fit``, `tfdist.fit`, `tfdist.Runner` and custom loops alike.
 Gradient accumulation lives in `tfdist.perf.accumulation`.
-
-Example:
-  >>> with strategy.scope():
-  ...   optimizer = with_gradient_options(
-  ...       keras.optimizers.SGD(0.1),
-  ...       GradientOptions(transport="socket"))
-  ...   model.compile(optimizer=optimizer, loss="mse")
 """
 
 from __future__ import annotations

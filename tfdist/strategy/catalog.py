@@ -7,24 +7,6 @@ flags (``--num_gpus``, ``--all_reduce_alg``, ``--worker_hosts``,
 it; `tfdist.strategy.factory` takes its names and options from it and keeps
 only the builders, which need TensorFlow. This module imports none, so
 ``tfdist --help`` and flag parsing stay light.
-
-| name                    | aliases | --num_gpus | --all_reduce_alg              | --worker_hosts | --slurm_roles | --tpu |
-|-------------------------|---------|------------|-------------------------------|----------------|---------------|-------|
-| ``auto``                |         |            |                               | any            | any           | yes   |
-| ``default``             | ``off`` | 0-1        |                               | at most 1      |               |       |
-| ``one_device``          |         | 0-1        |                               | at most 1      |               |       |
-| ``mirrored``            |         | 0..N       | `options.CROSS_DEVICE_OPS`    | at most 1      |               |       |
-| ``central_storage``     |         | 0..N       |                               | at most 1      |               |       |
-| ``multi_worker_mirrored`` |       |            | ring, nccl                    | any            | without ps    |       |
-| ``parameter_server``    |         |            |                               | none           | with ps       |       |
-| ``tpu``                 |         |            |                               | none           |               | yes   |
-
-Example::
-
-  from tfdist.strategy import catalog
-
-  catalog.lookup("off").name                     # 'default'
-  catalog.lookup("mirrored").all_reduce["nccl"]  # ('cross_device_ops', 'nccl')
 """
 
 from __future__ import annotations
@@ -36,19 +18,9 @@ from typing import Any, Callable, Mapping
 from tfdist.errors import ConfigError
 from tfdist.strategy import options as opts
 
-__all__ = [
-    "StrategySpec",
-    "GpuRule",
-    "CATALOG",
-    "STRATEGY_NAMES",
-    "BUILT_NAMES",
-    "STRATEGY_CHOICES",
-    "ALL_REDUCE_ALGS",
-    "ROLE_RULES",
-    "lookup",
-    "gpu_devices",
-    "option_fields",
-]
+__all__ = ["StrategySpec", "GpuRule", "CATALOG", "STRATEGY_NAMES",
+           "BUILT_NAMES", "STRATEGY_CHOICES", "ALL_REDUCE_ALGS", "ROLE_RULES",
+           "lookup", "gpu_devices", "option_fields"]
 
 #: ``--slurm_roles`` acceptance: ``any``; ``ps`` (the roles must include ps
 #: tasks); ``no_ps`` (they must not); ``""`` (the flag is not accepted).

@@ -2,11 +2,9 @@
 
 Keras 3's ``ModelCheckpoint``, ``BackupAndRestore``, ``TensorBoard`` and
 ``CSVLogger`` know nothing of the chief: under MultiWorkerMirroredStrategy
-every worker runs ``fit`` and its callbacks, so every worker writes the same
-files (two HDF5 writers on one file fail to lock it; a reader can meet a
-half-written checkpoint). tf_keras pointed non-chief workers elsewhere; Keras 3
-does not (tensorflow/tensorflow#38635 is the race). For the length of one
-``fit`` (or ``evaluate``, ``predict``), `one_writer` points each callback:
+every worker writes the same files (tensorflow/tensorflow#38635). For the
+length of one ``fit`` (or ``evaluate``, ``predict``), `one_writer` points each
+callback:
 
 | callback           | the chief                                          | every other worker |
 |--------------------|----------------------------------------------------|--------------------|

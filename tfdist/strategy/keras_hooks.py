@@ -31,15 +31,8 @@ _TRAINER = "keras.src.backend.tensorflow.trainer"
 _OPTIMIZER = "keras.src.backend.tensorflow.optimizer"
 
 
-# Keras 3 dropped tf_keras's chief-aware file writing: under
-# MultiWorkerMirroredStrategy every worker runs `fit`, and ModelCheckpoint,
-# BackupAndRestore, TensorBoard and CSVLogger write the same paths on every
-# worker. For the length of one `fit`, `evaluate` or `predict`,
-# `keras_callbacks.one_writer` points the other workers at a temporary
-# directory and stages the chief's checkpoints (fit's own validation calls
-# `evaluate` with callbacks already pointed: they are left to fit's). The
-# progress bar is a callback too: with Keras's default ``verbose="auto"`` only
-# the chief draws one (every worker's would show the same numbers).
+# One writer per path (`keras_callbacks.one_writer`); with ``verbose="auto"``
+# only the chief draws the progress bar.
 def _chief_aware(original):
   signature = inspect.signature(original)
 
@@ -59,11 +52,8 @@ def _chief_aware(original):
   return functools.wraps(original)(wrapper)
 
 
-# tfdist's socket ring sums gradients inside `tf.numpy_function`, which turns
-# any Python error into TensorFlow's UnknownError, the ring's message (which
-# peer was lost, what to do) buried in a traceback. When `fit`, `evaluate` or
-# `predict` fails and a transport of the model's strategy has failed, the
-# transport's error is raised instead, from TensorFlow's.
+# When a run fails and a transport of the model's strategy has failed, the
+# transport's error is raised instead of TensorFlow's UnknownError.
 def _transport_errors(original):
   def wrapper(self, *args, **kwargs):
     try:

@@ -14,13 +14,11 @@ from tfdist.cluster import tpu as tpu_lib
 from tfdist.errors import ConfigError
 from tfdist.strategy.gradient_options import TRANSPORTS as GRADIENT_TRANSPORTS
 
-__all__ = [
-    "DefaultOptions", "OneDeviceOptions", "MirroredOptions",
-    "MultiWorkerMirroredOptions", "ParameterServerOptions",
-    "CentralStorageOptions", "TPUOptions", "CROSS_DEVICE_OPS",
-    "COLLECTIVE_IMPLEMENTATIONS", "GRADIENT_TRANSPORTS",
-    "VARIABLE_PARTITIONERS",
-]
+__all__ = ["DefaultOptions", "OneDeviceOptions", "MirroredOptions",
+           "MultiWorkerMirroredOptions", "ParameterServerOptions",
+           "CentralStorageOptions", "TPUOptions", "CROSS_DEVICE_OPS",
+           "COLLECTIVE_IMPLEMENTATIONS", "GRADIENT_TRANSPORTS",
+           "VARIABLE_PARTITIONERS"]
 
 _SOURCE = "make_strategy options"
 

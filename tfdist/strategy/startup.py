@@ -2,24 +2,17 @@
 signal contract before training starts.
 
 Building `MultiWorkerMirroredStrategy` blocks inside TensorFlow until every
-task of the cluster has registered with the coordination service. A peer that
-never starts (its port is taken, it was not launched, it crashed) makes the
-others wait forever, and TensorFlow's own SIGTERM handler swallows the signal
-meanwhile (measured with TensorFlow 2.21: a task blocked at start-up outlived
-SIGTERM for minutes).
+task has registered; a peer that never starts makes the others wait forever,
+and TensorFlow's SIGTERM handler swallows the signal meanwhile.
 
 `bounded_startup` guards that call. TensorFlow holds the GIL while it waits,
 so no Python thread of the process can act: a small helper process watches
 instead. Once the limit passes it prints one line
-``tfdist: StartupTimeoutError: ...`` naming the tasks not answering and their
-addresses, and SIGKILLs the blocked process (exit status 137 in a shell, -9
-from ``subprocess``). A stop signal (`tfdist.errors.STOP_SIGNALS`) ends it
-with that signal's contract, saving nothing, since nothing exists yet: on
-SIGTERM or SIGUSR1 the helper prints ``tfdist: SIGTERM during cluster
-start-up: nothing to save yet; exiting with code 42`` and the process exits
-with 42 (the helper sends it a real-time signal whose handler is the C
-library's ``_exit``, which needs no GIL); on SIGINT it is ended by SIGINT
-(130 in a shell).
+``tfdist: StartupTimeoutError: ...`` naming the tasks not answering, and
+SIGKILLs the blocked process. A stop signal ends it with that signal's
+contract, saving nothing: on SIGTERM or SIGUSR1 the process exits with 42
+(through a real-time signal whose handler is the C library's ``_exit``, which
+needs no GIL); on SIGINT it is ended by SIGINT.
 
 SIGTERM and SIGUSR1 are blocked in the main thread for the duration (and so
 in every thread TensorFlow starts meanwhile): they stay pending, where the
@@ -27,12 +20,10 @@ helper sees them in ``/proc/PID/status``, and TensorFlow's handler never
 swallows them. One taken by a thread that TensorFlow started before reaches
 the helper through Python's wakeup file descriptor.
 
-`install_stop_handlers` covers the rest of start-up, from `make_strategy`
-until training watches signals (`tfdist.training.preemption`): model
-building, restoring a checkpoint (and training without a backup, which has
-nowhere to save). There SIGTERM and SIGUSR1 end the process at once with code
-42 and one line saying that nothing was saved. SIGINT keeps Python's meaning
-there (KeyboardInterrupt), so an interactive session survives Ctrl-C.
+`install_stop_handlers` covers the rest of start-up, until training watches
+signals (`tfdist.training.preemption`): SIGTERM and SIGUSR1 end the process
+at once with code 42 and one line saying that nothing was saved; SIGINT keeps
+Python's meaning, so an interactive session survives Ctrl-C.
 """
 
 from __future__ import annotations

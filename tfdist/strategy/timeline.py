@@ -8,13 +8,6 @@ ended. The backward pass ends when its last bucket is ready: the last bucket
 holds the first layers' gradients, which the pass makes last. `steps` cuts
 the notes into steps; the bench plots them (`tfdist.bench.hosts`). With
 nothing recording, a note costs one ``None`` check.
-
-Example::
-
-  with timeline.recording() as notes:
-    runner.train(runner.step + 3)
-  for step in timeline.steps(notes):
-    print(step["backward_s"], step["buckets"])
 """
 
 from __future__ import annotations

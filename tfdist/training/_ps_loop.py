@@ -33,20 +33,9 @@ def fit_parameter_server(
     validation_steps: int | None,
     backup: backup_lib.BackupAndRestore | None,
     fit_kwargs: dict[str, Any]) -> keras.callbacks.History:
-  """Schedules Keras's own ``train_step`` on the workers.
-
-  Args:
-    model: the compiled model, built under the strategy's scope.
-    stream: the input; its ``dataset_fn`` feeds every worker.
-    cbs: the callbacks, already chief-aware.
-    epochs: train until this epoch.
-    epoch: the epoch to start in.
-    step: steps of ``epoch`` already applied (from a backup).
-    verbose: as in ``Model.fit``.
-    validation_data: a ``dataset_fn`` or ``None``.
-    validation_steps: steps of validation per epoch.
-    backup: the driven backup, or ``None``.
-    fit_kwargs: extra ``Model.fit`` arguments: none is accepted here.
+  """Schedules Keras's own ``train_step`` on the workers; `tfdist.fit`'s
+  arguments, starting ``step`` steps into ``epoch`` (from ``backup``), the
+  callbacks ``cbs`` already chief-aware.
 
   Returns:
     The ``History`` of the epochs trained.

@@ -11,11 +11,9 @@ of workers):
 * on SIGTERM or SIGUSR1 every worker saves at the same step and
   `tfdist.PreemptedError` (exit code 42) ends training
   (`tfdist.training.preemption`);
-* a restarted ``fit`` restores the backup and resumes at the saved step: the
-  batches already applied are drawn from the input and dropped, never applied
-  twice (Keras 3.15's own callback resumes at epoch starts and re-applies the
-  steps of a partial epoch: with ``save_freq=1``, a SIGKILL mid-epoch led to
-  14 optimizer iterations where 12 were due);
+* a restarted ``fit`` resumes at the saved step: the batches already applied
+  are drawn from the input and dropped, never applied twice (Keras's own
+  callback re-applies a partial epoch's steps);
 * the backup directory belongs to one job: the chief records the model's
   architecture, its variables and the cluster shapes in it (`tfdist.training.ownership`) and
   another job's, or a directory of other files, is refused before anything
@@ -33,10 +31,6 @@ of workers):
 Exact resume needs an input that gives the same batches in the same order on
 every run: a dataset shuffled with a seed, or arrays with ``shuffle=False``
 (``tfdist.fit`` shuffles arrays statelessly, per epoch, by itself).
-
-    model.fit(dataset, epochs=3,
-              callbacks=[tfdist.BackupAndRestore("/shared/backup",
-                                                 save_freq=100)])
 """
 
 from __future__ import annotations

@@ -14,8 +14,6 @@ back to the one before, and when the directory holds checkpoints but none can
 be read it raises `tfdist.CheckpointError` rather than start over.
 A save that fails for lack of space or quota removes what it wrote and raises
 `tfdist.DiskFullError`, which names the last whole checkpoint.
-`agreed` runs a restore on every worker and makes them agree on the position
-restored before training starts.
 """
 
 from __future__ import annotations

@@ -4,22 +4,10 @@
   Keras's own ``fit`` (with `keras_compat`'s corrections); ParameterServer runs
   a `ClusterCoordinator` loop that schedules Keras's own ``train_step`` on the
   workers, since Keras 3 has no coordinator path.
-* The progress bar and logs appear on the chief only.
-* ``backup_dir=``: resume inside an epoch. The model, the optimizer and the
-  position (epoch, step within the epoch) are checkpointed by the chief; a
-  restarted run restores them and skips exactly the batches already applied,
-  so no step is applied twice (synchronous strategies; under
-  ParameterServerStrategy steps are at-least-once and the data restarts).
-  The backup is removed when training completes, as Keras's own
-  ``BackupAndRestore`` does.
-* ``tensorboard_dir=``: TensorBoard logs written by the chief only; any
-  ``ModelCheckpoint``/``TensorBoard``/``CSVLogger`` you pass writes its real
-  path on the chief and a temporary one elsewhere.
-
-Input: arrays (``x``, ``y``), a batched ``tf.data.Dataset`` of global batches,
-or a ``dataset_fn(input_context)`` giving per-replica batches (required under
-ParameterServerStrategy). For exact resume the input must be deterministic:
-arrays are shuffled with ``seed``; a dataset should shuffle with a seed.
+* The progress bar and logs appear on the chief only; ``backup_dir=`` resumes
+  inside an epoch (`tfdist.training.backup`; under ParameterServerStrategy
+  steps are at-least-once); ``tensorboard_dir=`` and path-writing callbacks
+  write their real path on the chief and a temporary one elsewhere.
 
 This module is the entry and the Keras path; the resumable input is in
 `tfdist.training._input`, the ParameterServerStrategy loop in

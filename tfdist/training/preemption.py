@@ -1,54 +1,22 @@
 """Stop signals: every worker saves at one step and exits with the signal's code.
 
-TensorFlow catches SIGTERM in multi-worker processes and carries on training
-(measured with TensorFlow 2.21: a worker sent SIGTERM mid-fit ignored it and
-trained to the end), SLURM's ``--signal=USR1@N`` is nothing it knows, and
-Ctrl-C (SIGINT) raises KeyboardInterrupt wherever the loop happens to be.
-`PreemptionWatcher` installs Python handlers for the stop signals
-(`tfdist.errors.STOP_SIGNALS`: SIGTERM, SIGUSR1, SIGINT) once training
-starts (replacing TensorFlow's), and only records that a signal came. At each
-step boundary the training loop asks `PreemptionWatcher.should_stop`:
+TensorFlow catches SIGTERM in multi-worker processes and carries on training,
+and knows nothing of SLURM's USR1. `PreemptionWatcher` installs Python handlers
+for `tfdist.errors.STOP_SIGNALS` (replacing TensorFlow's) and only records that
+a signal came. At each step boundary the loop asks
+`PreemptionWatcher.should_stop`: under MultiWorkerMirroredStrategy the workers
+agree with one all-reduce of their flags (a few ms, so about once per
+``check_seconds``, the interval derived from one summed figure so it is the
+same on every worker); elsewhere the local flag decides.
 
-* under MultiWorkerMirroredStrategy the workers agree with one all-reduce of
-  their flags, so they all see the signal at the same step, even when only one
-  worker got it (SLURM signals every task; a cloud preemption may hit one
-  node). That all-reduce costs a few milliseconds (6 ms measured on loopback,
-  as much as a small model's step), so it runs about once per
-  ``check_seconds`` (1 s), not every step: each agreement also sums the
-  workers' time per call since the previous agreement, and every worker
-  derives the same number of calls to the next agreement from that one
-  figure, at most doubling it each time (so a short span between two calls
-  cannot push the next agreement out of reach);
-* elsewhere (one process, or the ParameterServerStrategy coordinator) the
-  local flag decides.
-
-The loop then saves its checkpoint at that step and raises
-`tfdist.PreemptedError`, a `SystemExit` with the signal's code: 42
-(`tfdist.errors.PREEMPTED_EXIT_CODE`) for SIGTERM and SIGUSR1, 130 for
-SIGINT; when workers got different signals, 42 wins (the job is being taken
-away and must be restarted). Uncaught, the process ends with that code and no
-traceback, and a restart resumes at the saved step.
-
-Once a signal came, a SIGINT ends the process at once (killed by SIGINT, 130
-in a shell): a second Ctrl-C does not wait for the save. A second SIGTERM or
-SIGUSR1 is only logged. A signal is never lost: if training ends before the
-workers agreed on it, leaving the watcher raises `PreemptedError` with the
-signal's code (nothing more saved; the run's own saves stand).
-
-With ``TFDIST_SLURM_REQUEUE=1`` (``tfdist slurm --requeue-from task``) the
-chief requeues its SLURM job itself after a save for SIGTERM or SIGUSR1,
-just before exiting with 42 (`tfdist.cluster.requeue`); other tasks, SIGINT
-and the signals that came with nothing more to save requeue nothing.
-
-``tfdist.fit`` (with ``backup_dir``) and `tfdist.Runner` (with a
-``checkpoint_dir``) use it; a custom loop can too::
-
-    with PreemptionWatcher(strategy) as watcher:
-      for step in range(start, num_steps):
-        train_step()
-        if watcher.should_stop():
-          manager.save(step + 1)
-          watcher.exit(step + 1)
+The loop then saves at that step and raises `tfdist.PreemptedError`: 42 for
+SIGTERM and SIGUSR1, 130 for SIGINT, 42 winning when workers got different
+signals. After a signal, a SIGINT ends the process at once; a second SIGTERM or
+SIGUSR1 is only logged. A signal that came after the last agreement is raised
+when the watcher is left. With ``TFDIST_SLURM_REQUEUE=1`` the chief requeues
+its SLURM job after a save for SIGTERM or SIGUSR1 (`tfdist.cluster.requeue`).
+Used by ``tfdist.fit`` and `tfdist.Runner`; docs/fault_tolerance.md shows a
+custom loop.
 """
 
 from __future__ import annotations

@@ -11,14 +11,6 @@ Reduction: a step returns a dict of scalars; each is **summed over replicas**
 and averaged over the steps of a loop. Return losses scaled by the global
 batch, as `tf.nn.compute_average_loss` (or `tfdist.scaled_loss`) does, and the
 sum is the global mean. Keras metrics passed in ``metrics`` aggregate themselves.
-
-Example:
-  >>> runner = Runner(strategy=strategy, train_step=step,
-  ...                 train_data=dataset_fn, checkpoint_items={"model": model,
-  ...                 "optimizer": optimizer},
-  ...                 options=RunnerOptions(steps_per_loop=10,
-  ...                                       checkpoint_dir="/tmp/ckpt"))
-  >>> logs = runner.train(1000)
 """
 
 from __future__ import annotations

@@ -43,12 +43,6 @@ def supervised_step(model, optimizer, loss_fn, *, global_batch_size: int,
 
   Raises:
     ConfigError: the model has no variables yet.
-
-  Example:
-    >>> step = supervised_step(model, optimizer, loss_fn,
-    ...                        global_batch_size=64)
-    >>> runner = tfdist.Runner(strategy=strategy, train_step=step,
-    ...                        train_data=dataset_fn)
   """
   if not optimizer.built:
     if not model.trainable_variables:
