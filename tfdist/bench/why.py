@@ -9,12 +9,12 @@ measured one). `tfdist.bench.figures.score` calls it.
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
+from typing import Any
 
 from tfdist.bench.overhead import TOLD_APART_P
 
-if TYPE_CHECKING:
-  from tfdist.bench.figures import Figure
+#: A `tfdist.bench.figures.Figure` (which imports this module).
+Figure = Any
 
 #: A machine this share busy or more had no processor left to go faster.
 BUSY = 0.9
