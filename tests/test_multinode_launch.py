@@ -30,6 +30,7 @@ from tfdist.errors import ConfigError
 from tfdist.launch import fingerprint
 from tfdist.launch import spec as spec_lib
 from tfdist.launch import rendezvous
+from tfdist.launch import rounds
 
 import cluster_utils
 import netbed
@@ -252,7 +253,7 @@ class StrangerTest(parameterized.TestCase):
       t.start()
     for t in threads:
       t.join(30)
-    self.assertEqual(placed[0]["cluster"],
+    self.assertEqual(placed[0].cluster,
                      {"worker": ["127.0.0.1:1000", "127.0.0.1:1001"]})
 
   def test_a_forged_message_ends_only_the_forger(self):
@@ -271,7 +272,7 @@ class StrangerTest(parameterized.TestCase):
     while lost is None and not stalls.expired(start, 15):
       lost = member.poll(timeout=0.5)
     self.assertIsNotNone(lost)
-    self.assertEqual(lost["kind"], "lost")
+    self.assertIsInstance(lost, rounds.Stop)
 
 
 #: Another Keras 3 release than the one installed, for a node that runs it.

@@ -49,6 +49,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from tfdist import _net
+from tfdist.cluster import names
 from tfdist.cluster.hostlist import expand_hostlist, expand_tasks_per_node
 from tfdist.cluster.info import JOB_NAMES, ClusterInfo, SlurmInfo
 from tfdist.errors import ConfigError
@@ -62,6 +64,7 @@ __all__ = [
     "default_port_base",
     "PORT_RANGE_START",
     "PORTS_PER_JOB",
+    "launch_fields",
 ]
 
 #: Environment variables, e.g. ``os.environ`` or a test's dict.
@@ -267,6 +270,48 @@ def resolve_slurm(environ: Environ | None = None, *,
           nodes=tuple(nodes), tasks_per_node=tuple(counts),
           array_job_id=env.get("SLURM_ARRAY_JOB_ID"),
           array_task_id=env.get("SLURM_ARRAY_TASK_ID")))
+
+
+def launch_fields(environ: Environ | None = None, *,
+                  min_nodes: int | None = None) -> tuple[dict, str, str]:
+  """What ``tfdist launch`` takes from the ``srun`` step it runs in, one
+  launcher per node: `LaunchSpec` fields (``nnodes``, ``min_nodes``,
+  ``node_rank``, ``master_addr``, ``master_port``), one line saying where
+  each came from, and the job id (``ARRAYID_TASKID`` in an array).
+
+  Node 0 is the step's first node, at its ``NodeAddr`` when its name does
+  not resolve (`tfdist.cluster.names.resolve_names`), and the rendezvous
+  listens on the first port of the job's slot (`default_port_base`).
+  ``min_nodes`` (an elastic job's MIN) is kept below the step's size.
+
+  Raises:
+    ConfigError: not a step of one task per node (``--ntasks-per-node``),
+      or what `resolve_slurm` refuses.
+  """
+  env = os.environ if environ is None else environ
+  info = resolve_slurm({k: v for k, v in env.items() if k != ROLES_VARIABLE})
+  step = info.slurm
+  if max(step.tasks_per_node) > 1:
+    raise ConfigError(
+        field="--ntasks-per-node", value=max(step.tasks_per_node),
+        source="the SLURM step of tfdist launch",
+        expected="1: one tfdist launch per node, which starts the node's "
+                 "tasks itself",
+        hint="Run `srun --ntasks-per-node=1 tfdist launch --workers K ...`")
+  first = info.cluster["worker"][0]
+  master, port = _net.split_address(
+      names.resolve_names(info, environ=env).cluster["worker"][0])
+  job = (f"{step.array_job_id}_{step.array_task_id}" if step.array_task_id
+         else step.job_id)
+  nodes = len(step.nodes)
+  where = "" if first.startswith(f"{master}:") else ", its NodeAddr"
+  line = (f"from SLURM job {job}: --nnodes {nodes} (the step's nodes), "
+          f"--node-rank {step.proc_id} ({step.node}'s place among them), "
+          f"--master-addr {master} (the first, {step.nodes[0]}{where}), "
+          f"--master-port {port} (the job's port slot)")
+  return ({"nnodes": nodes, "min_nodes": min(min_nodes or nodes, nodes),
+           "node_rank": step.proc_id, "master_addr": master,
+           "master_port": port}, line, job)
 
 
 def _check_step(env: Environ, source: str) -> None:
