@@ -427,8 +427,6 @@ class NodeSpecTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("rank_past_nodes", dict(nnodes=2, node_rank=2, master_addr="h",
                                master_port=1), "node_rank"),
-      ("no_master_addr", dict(nnodes=2, master_port=1), "master_addr"),
-      ("no_master_port", dict(nnodes=2, master_addr="h"), "master_port"),
       ("bad_master_addr", dict(nnodes=2, master_addr="a..b", master_port=1),
        "master_addr"),
       ("zero_nodes", dict(nnodes=0), "nnodes"),
@@ -439,6 +437,16 @@ class NodeSpecTest(parameterized.TestCase):
   def test_bad_node_fields_are_named(self, kwargs, field):
     with self.assertRaises(ConfigError) as raised:
       spec_lib.LaunchSpec(command=("python", "x.py"), **kwargs)
+    self.assertEqual(raised.exception.field, field)
+
+  @parameterized.named_parameters(
+      ("no_master_addr", dict(master_port=1), "master_addr"),
+      ("no_master_port", dict(master_addr="h"), "master_port"))
+  def test_several_nodes_need_node_0s_address_and_port(self, kwargs, field):
+    spec = spec_lib.LaunchSpec(command=(sys.executable, "-c", "pass"),
+                               nnodes=2, **kwargs)
+    with self.assertRaises(ConfigError) as raised:
+      spec_lib.preflight(spec)
     self.assertEqual(raised.exception.field, field)
 
   def test_several_nodes_need_a_secret(self):

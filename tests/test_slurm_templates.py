@@ -70,7 +70,8 @@ class TemplatesInSyncTest(parameterized.TestCase):
       self.assertIn(line, [l.strip() for l in text.splitlines()])
     self.assertRegex(text, r"(?m)^#SBATCH --signal=B:USR1@\d+$")
     self.assertRegex(
-        text, r'(?m)^srun --kill-on-bad-exit=0 .*"\$\{command\[@\]\}" &$')
+        text, r'(?m)^srun --ntasks-per-node=1 .*--kill-on-bad-exit=0 tfdist '
+              r'launch .*-- "\$\{command\[@\]\}" &$')
     check = subprocess.run(["bash", "-n", _template(preset)],
                            capture_output=True, text=True, check=False)
     self.assertEqual(check.returncode, 0, check.stderr)
@@ -157,16 +158,23 @@ class SbatchSpecTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("range", "1-4", 1, "--nodes=1-4\n#SBATCH --cpus-per-task=1",
-       "--ntasks-per-node=1 "),
+       "--nnodes 1:4 "),
       ("range_two_tasks_a_node", "1-4", 2,
-       "--nodes=1-4\n#SBATCH --mincpus=2\n", "--ntasks-per-node=2 "),
+       "--nodes=1-4\n#SBATCH --mincpus=2\n", "--nnodes 1:4 "),
       ("one_size", "2-2", 2, "--nodes=2\n#SBATCH --ntasks-per-node=2\n", ""),
       ("count", 3, 1, "--nodes=3\n#SBATCH --ntasks-per-node=1\n", ""))
-  def test_nodes_as_slurm_writes_them(self, nodes, per_node, sbatch, srun):
+  def test_nodes_as_slurm_writes_them(self, nodes, per_node, sbatch, elastic):
+    """One launcher a node, starting the node's tasks; a range is elastic
+    and survives a lost node (--no-kill)."""
     text = launch.render(launch.SbatchSpec(nodes=nodes,
                                            tasks_per_node=per_node))
     self.assertIn(f"\n#SBATCH {sbatch}", text)
-    self.assertIn(f"\nsrun --kill-on-bad-exit=0 {srun}\"${{command", text)
+    self.assertIn(f"\ntasks=${{SLURM_NTASKS_PER_NODE:-{per_node}}}\n", text)
+    self.assertIn(
+        "\nsrun --ntasks-per-node=1 --cpus-per-task=$(( "
+        "${SLURM_CPUS_PER_TASK:-1} * tasks )) --kill-on-bad-exit=0 tfdist "
+        f'launch --workers "${{tasks}}" {elastic}-- "${{command', text)
+    self.assertEqual("#SBATCH --no-kill\n" in text, bool(elastic))
 
   def test_roles_are_normalized_and_exported(self):
     spec = launch.SbatchSpec(nodes=2, tasks_per_node=2,
@@ -174,7 +182,7 @@ class SbatchSpecTest(parameterized.TestCase):
     self.assertEqual(spec.roles, "chief=1,ps=1,worker=2")
     text = launch.render(spec)
     self.assertIn("export TFDIST_SLURM_ROLES=chief=1,ps=1,worker=2\n", text)
-    self.assertIn("srun --kill-on-bad-exit=0 --wait=60 ", text)
+    self.assertIn(' tfdist launch --workers "${tasks}" -- ', text)
 
   def test_command_is_shell_quoted(self):
     spec = launch.SbatchSpec(command=("python", "t.py", "--x=a b", "$HOME"))

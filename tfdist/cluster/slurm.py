@@ -272,12 +272,14 @@ def resolve_slurm(environ: Environ | None = None, *,
           array_task_id=env.get("SLURM_ARRAY_TASK_ID")))
 
 
-def launch_fields(environ: Environ | None = None, *,
+def launch_fields(environ: Environ | None = None, *, tasks: int,
                   min_nodes: int | None = None) -> tuple[dict, str, str]:
   """What ``tfdist launch`` takes from the ``srun`` step it runs in, one
   launcher per node: `LaunchSpec` fields (``nnodes``, ``min_nodes``,
-  ``node_rank``, ``master_addr``, ``master_port``), one line saying where
-  each came from, and the job id (``ARRAYID_TASKID`` in an array).
+  ``node_rank``, ``master_addr``, ``master_port``; with
+  ``TFDIST_SLURM_ROLES``, this node's ``tasks`` of them in rank order), one
+  line saying where each came from, and the job id (``ARRAYID_TASKID`` in
+  an array).
 
   Node 0 is the step's first node, at its ``NodeAddr`` when its name does
   not resolve (`tfdist.cluster.names.resolve_names`), and the rendezvous
@@ -309,9 +311,19 @@ def launch_fields(environ: Environ | None = None, *,
           f"--node-rank {step.proc_id} ({step.node}'s place among them), "
           f"--master-addr {master} (the first, {step.nodes[0]}{where}), "
           f"--master-port {port} (the job's port slot)")
-  return ({"nnodes": nodes, "min_nodes": min(min_nodes or nodes, nodes),
-           "node_rank": step.proc_id, "master_addr": master,
-           "master_port": port}, line, job)
+  fields = {"nnodes": nodes, "min_nodes": min(min_nodes or nodes, nodes),
+            "node_rank": step.proc_id, "master_addr": master,
+            "master_port": port}
+  if env.get(ROLES_VARIABLE):
+    roles = parse_roles(env[ROLES_VARIABLE], field=ROLES_VARIABLE,
+                        source="the environment")
+    ranks = [job for job, n in roles.items() for _ in range(n)]
+    mine = ranks[step.proc_id * tasks:(step.proc_id + 1) * tasks]
+    fields.update(chief="chief" in mine, num_ps=mine.count("ps"),
+                  num_workers=mine.count("worker"),
+                  evaluator="evaluator" in mine)
+    line += f", its tasks {','.join(mine)} ({ROLES_VARIABLE})"
+  return fields, line, job
 
 
 def _check_step(env: Environ, source: str) -> None:

@@ -163,14 +163,16 @@ class Launcher:
     while True:
       if self._signal is not None:  # The tasks got it: this node leaves.
         workers.stop()
-        codes = [t.proc.returncode for t in trainers]
         if trainers:
           self._console.signalled(
               signal.Signals(self._signal).name,
               [(t.role, t.proc.returncode, t.tail) for t in trainers])
-        # SLURM's cue to save: the job is requeued on the tasks' code.
-        preempted = (self._signal == signal.SIGUSR1 and codes
-                     and set(codes) == {PREEMPTED_EXIT_CODE})
+        # SLURM's cue to save: the job script requeues on 42, once every
+        # trainer saved and the servers ended.
+        preempted = self._signal == signal.SIGUSR1 and all(
+            t.proc.returncode in ((PREEMPTED_EXIT_CODE,) if t in trainers
+                                  else (0, PREEMPTED_EXIT_CODE))
+            for t in workers.tasks)
         return _Outcome(PREEMPTED_EXIT_CODE if preempted
                         else 128 + self._signal)
       message = member.poll(timeout=0.1)

@@ -101,7 +101,7 @@ def _tcp(spec: LaunchSpec, launcher, agree: Mapping[str, str]) -> Opened:
 
 def _slurm(spec: LaunchSpec, launcher, agree: Mapping[str, str]) -> Opened:
   fields, line, job = slurm.launch_fields(
-      min_nodes=spec.min_nodes if spec.elastic else None)
+      tasks=spec.num_tasks, min_nodes=spec.min_nodes if spec.elastic else None)
   launcher.console.say(line)
   spec = dataclasses.replace(spec, run_id=spec.run_id or f"slurm-{job}",
                              **fields)
