@@ -55,12 +55,13 @@ class Opened:
 
 
 def _solo(spec: LaunchSpec, launcher, agree: Mapping[str, str]) -> Opened:
+  prepared = preflight(spec)
   if not _net.is_loopback(spec.address):
     print(f"tfdist: warning: TensorFlow's gRPC servers listen on every "
           f"interface (0.0.0.0), not only on {spec.address}: host only sets "
           "the addresses in TF_CONFIG", file=sys.stderr, flush=True)
-  return Opened(spec, preflight(spec),
-                rounds.Solo(max_restarts=spec.max_restarts), spec.address)
+  return Opened(spec, prepared, rounds.Solo(max_restarts=spec.max_restarts),
+                spec.address)
 
 
 def _tcp(spec: LaunchSpec, launcher, agree: Mapping[str, str]) -> Opened:

@@ -593,7 +593,8 @@ def _run_lines(spec: SbatchSpec) -> list[str]:
       "# nodes still saving.",
       "# (--ntasks-per-node and --cpus-per-task given to sbatch win.)",
       f"tasks=${{SLURM_NTASKS_PER_NODE:-{k}}}",
-      "srun --ntasks-per-node=1 --cpus-per-task=$(( "
+      'srun --ntasks="${SLURM_JOB_NUM_NODES}" --ntasks-per-node=1 '
+      "--cpus-per-task=$(( "
       f"${{SLURM_CPUS_PER_TASK:-{spec.cpus_per_task}}} * tasks )) "
       '--kill-on-bad-exit=0 tfdist launch --workers "${tasks}" '
       f"{' '.join(nodes)}{' ' if nodes else ''}-- \"${{command[@]}}\" &",
