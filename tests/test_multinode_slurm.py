@@ -253,8 +253,8 @@ class TwoNodeSlurmTest(absltest.TestCase):
           "--slow-worker 1 --at 5"], timeout=400)
     # Worker 1, on node2, sleeps in a callback: node 0's launcher prints
     # the report when worker 0's collective times out, and every node stops.
-    self.assertRegex(out, r"stall report \(worker:0 exited 1", job)
-    self.assertIn("behind: worker:1 (by 1 step, at step 5)", out)
+    self.assertRegex(out, r"tfdist: stall report \(worker:0 exited 1: "
+                          r"(DeadlineExceededError|WorkerLostError)", job)
     self.assertIn("tfdist: node 1 stops: task worker:0 on node 0 failed", out)
 
   def _scontrol(self, *args: str) -> str:

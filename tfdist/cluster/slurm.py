@@ -274,17 +274,12 @@ def resolve_slurm(environ: Environ | None = None, *,
 
 def launch_fields(environ: Environ | None = None, *, tasks: int,
                   min_nodes: int | None = None) -> tuple[dict, str, str]:
-  """What ``tfdist launch`` takes from the ``srun`` step it runs in, one
-  launcher per node: `LaunchSpec` fields (``nnodes``, ``min_nodes``,
-  ``node_rank``, ``master_addr``, ``master_port``; with
+  """What ``tfdist launch`` takes from its ``srun`` step, one launcher a
+  node: `LaunchSpec` fields (node 0 the step's first node, at its
+  ``NodeAddr`` when its name does not resolve, on the first port of the
+  job's slot; ``min_nodes`` at most the step's size; with
   ``TFDIST_SLURM_ROLES``, this node's ``tasks`` of them in rank order), one
-  line saying where each came from, and the job id (``ARRAYID_TASKID`` in
-  an array).
-
-  Node 0 is the step's first node, at its ``NodeAddr`` when its name does
-  not resolve (`tfdist.cluster.names.resolve_names`), and the rendezvous
-  listens on the first port of the job's slot (`default_port_base`).
-  ``min_nodes`` (an elastic job's MIN) is kept below the step's size.
+  line saying where each came from, and the job id.
 
   Raises:
     ConfigError: not a step of one task per node (``--ntasks-per-node``),

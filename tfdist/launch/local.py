@@ -279,7 +279,7 @@ def launch(spec: LaunchSpec, *, out: TextIO | None = None,
     fail; after the last restart, the failed task's exit code (42 for a
     preempted task that saved: run the same command to resume), ``128 + N``
     when it was killed by signal N; ``128 + N`` when the launcher itself got
-    signal N.
+    signal N (42 after SIGUSR1 once every training task saved).
 
   Raises:
     ConfigError: `preflight` failed, or the log directory or a task could

@@ -1,15 +1,12 @@
 """Where a launcher gets its members: the first row of `SOURCES` that serves.
 
 Every source has one protocol (`rounds.Solo`, `rendezvous.Member`): ``join``
-sends this node's tasks and returns the round's `rounds.Cluster`; ``send``
-takes `rounds.Failed`, `rounds.Done` or a stall report; ``poll`` returns the
-next typed message (`rounds.Stop`, `rounds.Finish`) or ``None``; ``close``.
-Rows: SLURM's fixed membership (in an ``srun`` step of one task per node,
-the node count, this node's rank and node 0's address come from SLURM,
-`tfdist.cluster.slurm.launch_fields`; the run id from the job id; a node of
-another job is refused), then one node (`rounds.Solo`), then a TCP
-rendezvous (node 0's `rendezvous.Master`, joined as a `rendezvous.Member`).
-A new source, such as a Kubernetes indexed job, is one function and a row.
+(this node's tasks -> the round's `rounds.Cluster`), ``send``
+(`rounds.Failed`, `rounds.Done`, a stall report), ``poll`` (`rounds.Stop`,
+`rounds.Finish` or ``None``) and ``close``. Rows: SLURM's step (its nodes,
+`tfdist.cluster.slurm.launch_fields`; a node of another job is refused),
+one node, a TCP rendezvous. A new source, such as a Kubernetes indexed job,
+is one function and a row (docs/multi_node.md).
 """
 
 from __future__ import annotations
