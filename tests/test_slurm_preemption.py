@@ -316,8 +316,10 @@ class SlurmPreemptionTest(parameterized.TestCase):
       # SLURM ends the job it requeues: SIGTERM to every task (logged, but
       # one already past Python's handlers ends by it), SIGKILL KillWait
       # later. Whatever srun reports, the saves are done.
+      # The launcher, signalled again, kills what is left and exits 128+10.
       for outcome in _task_outcomes(first).values():
-        self.assertContainsSubset(outcome, [exited, "Terminated", "Killed"],
+        self.assertContainsSubset(outcome, [
+            exited, "Terminated", "Killed", "Exited with exit code 138"],
                                   first)
     else:
       self.assertEqual(_task_outcomes(first), {0: [exited]}, first)
@@ -505,7 +507,8 @@ class SlurmPreemptionTest(parameterized.TestCase):
     self.assertEqual((_field(record, "JobState"), _field(record, "Restarts"),
                       _field(record, "ExitCode")), ("FAILED", "1", "42:0"),
                      text)
-    lines = [line for line in text.splitlines() if "requeu" in line
+    lines = [re.sub(r"^\[worker:0\] ", "", line)  # The launcher's prefix.
+             for line in text.splitlines() if "requeu" in line
              and "CANCELLED" not in line]  # slurmstepd's "DUE TO JOB REQUEUE".
     self.assertEqual(lines, [
         f"tfdist: requeued job {job.id} (requeue 1 of at most 1): it resumes "

@@ -23,8 +23,8 @@ members come from the first source of `tfdist.launch.members` that serves
 SIGINT, SIGTERM and SIGUSR1 are forwarded to every task, SIGHUP as SIGTERM,
 and a second signal kills the tasks at once (call `launch` from the main
 thread: `Workers` explains). A launcher that got signal N leaves the job and
-exits ``128 + N`` (42 after SIGUSR1, SLURM's cue, once every training task
-saved), once its tasks ended saying in one line where they saved and which
+exits ``128 + N`` (after SIGUSR1, SLURM's cue, 42 or 0 once every task
+saved or finished), once its tasks ended saying in one line where they saved and which
 did not (`tfdist.launch.output.signalled_line`); a waiting one leaves at
 once.
 
@@ -167,14 +167,12 @@ class Launcher:
           self._console.signalled(
               signal.Signals(self._signal).name,
               [(t.role, t.proc.returncode, t.tail) for t in trainers])
-        # SLURM's cue to save: the job script requeues on 42, once every
-        # trainer saved and the servers ended.
-        preempted = self._signal == signal.SIGUSR1 and all(
-            t.proc.returncode in ((PREEMPTED_EXIT_CODE,) if t in trainers
-                                  else (0, PREEMPTED_EXIT_CODE))
-            for t in workers.tasks)
-        return _Outcome(PREEMPTED_EXIT_CODE if preempted
-                        else 128 + self._signal)
+        # SLURM's cue to save: the tasks' own outcome once each saved (42:
+        # the job script requeues) or finished (0).
+        codes = {t.proc.returncode for t in workers.tasks}
+        if self._signal == signal.SIGUSR1 and codes <= {0, PREEMPTED_EXIT_CODE}:
+          return _Outcome(max(codes))
+        return _Outcome(128 + self._signal)
       message = member.poll(timeout=0.1)
       if self._signal is not None:
         continue  # It came meanwhile: said at the loop's top.
@@ -279,7 +277,8 @@ def launch(spec: LaunchSpec, *, out: TextIO | None = None,
     fail; after the last restart, the failed task's exit code (42 for a
     preempted task that saved: run the same command to resume), ``128 + N``
     when it was killed by signal N; ``128 + N`` when the launcher itself got
-    signal N (42 after SIGUSR1 once every training task saved).
+    signal N (after SIGUSR1, SLURM's cue, 42 or 0 once every task saved or
+    finished).
 
   Raises:
     ConfigError: `preflight` failed, or the log directory or a task could
