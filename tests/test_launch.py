@@ -605,8 +605,8 @@ class SignalledLineTest(parameterized.TestCase):
 class SignalledLauncherTest(parameterized.TestCase):
   """The launcher itself is signalled: its tasks save, and it says so in
   one line once they ended, naming a task that did not save. It exits
-  ``128 + N``, but 42 after SLURM's USR1 once every trainer saved (the job
-  script requeues on 42)."""
+  ``128 + N``, but after SLURM's USR1 the tasks' 42 once every one saved
+  (the job script requeues on 42)."""
 
   @parameterized.named_parameters(
       ("sigterm", signal.SIGTERM, "none",
