@@ -45,9 +45,7 @@ its connection closes at once); stopping then takes the launcher's
 ``grace_seconds``. Node 0's launcher is the one node a job cannot lose.
 
 What to decide is `tfdist.launch.rounds.Rounds`'s; this module carries it
-over the network. `tfdist.launch.rounds.Solo` is the rendezvous of one node,
-with no network: the launcher runs one supervision loop whatever the number
-of nodes.
+over the network, one row of `tfdist.launch.members`.
 
 The secret (`tfdist._net.JOB_SECRET_VARIABLE` in the environment, or a file)
 is never sent, and never appears on a command line. Every wait is bounded,
