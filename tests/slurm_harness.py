@@ -34,6 +34,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import unittest
@@ -325,6 +326,9 @@ class LocalSlurm:
                 if not k.startswith(("SLURM_", "SLURMD_", "SRUN_", "SBATCH_",
                                      "SALLOC_"))}
     self.env["SLURM_CONF"] = self.conf_path
+    # The job scripts run `tfdist launch`: this interpreter's entry point.
+    self.env["PATH"] = (os.path.dirname(sys.executable) + os.pathsep
+                        + self.env.get("PATH", os.defpath))
     self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f",
                               self.conf_path], host=CONTROLLER)
     for node in self.nodes:

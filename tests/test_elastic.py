@@ -342,13 +342,13 @@ class RoundsTest(parameterized.TestCase):
 
   def test_what_the_tasks_see_of_each_round(self):
     rounds = self._rounds(2, 3, restarts=2)
-    seen = [local.job_variables(dict(self._start(rounds, [0, 1, 2]))[0],
+    seen = [local.job_variables(rounds_lib.typed(dict(self._start(rounds, [0, 1, 2]))[0]),
                                 "run-7")]
     rounds.failed(1, {"attempt": 0, "role": "worker:1", "code": 3})
     rounds.lost(2, "gone")
     rounds.join(0, _join(attempt=1), first=False)
-    seen.append(local.job_variables(
-        dict(rounds.join(1, _join(attempt=1), first=False))[0], "run-7"))
+    seen.append(local.job_variables(rounds_lib.typed(
+        dict(rounds.join(1, _join(attempt=1), first=False))[0]), "run-7"))
     self.assertEqual(seen, [
         {"TFDIST_RESTART": "0", "TFDIST_RESTART_COUNT": "0",
          "TFDIST_MAX_RESTARTS": "2", "TFDIST_RUN_ID": "run-7",

@@ -604,27 +604,32 @@ class SignalledLineTest(parameterized.TestCase):
 @pytest.mark.timeout(120)
 class SignalledLauncherTest(parameterized.TestCase):
   """The launcher itself is signalled: its tasks save, and it says so in
-  one line once they ended, naming a task that did not save."""
+  one line once they ended, naming a task that did not save. It exits
+  ``128 + N``, but after SLURM's USR1 the tasks' 42 once every one saved
+  (the job script requeues on 42)."""
 
   @parameterized.named_parameters(
       ("sigterm", signal.SIGTERM, "none",
-       "preempted (SIGTERM): every worker saved at step 7"),
+       "preempted (SIGTERM): every worker saved at step 7", 128 + 15),
       ("sigusr1", signal.SIGUSR1, "none",
-       "preempted (SIGUSR1): every worker saved at step 7"),
+       "preempted (SIGUSR1): every worker saved at step 7", 42),
       ("sigint", signal.SIGINT, "none",
-       "interrupted (SIGINT): every worker saved at step 7"),
+       "interrupted (SIGINT): every worker saved at step 7", 128 + 2),
       ("a_worker_that_did_not_save", signal.SIGTERM, "worker:1",
        "preempted (SIGTERM): worker:0 saved at step 7; worker:1 did not "
-       "save (killed by signal 9)"),
+       "save (killed by signal 9)", 128 + 15),
+      ("usr1_a_worker_that_did_not_save", signal.SIGUSR1, "worker:1",
+       "preempted (SIGUSR1): worker:0 saved at step 7; worker:1 did not "
+       "save (killed by signal 9)", 128 + 10),
   )
-  def test_one_line_after_the_tasks_end(self, signum, stubborn, line):
+  def test_one_line_after_the_tasks_end(self, signum, stubborn, line, exit):
     with _launcher("--workers", "2", "--grace-seconds", "2", "--",
                    sys.executable, TASK, "saves", stubborn) as launcher:
       pids = _wait_ready(self, launcher, 2)
       launcher.signal(0, signum)
       code = launcher.wait(0, 60)
       out = launcher.stdout(0)
-    self.assertEqual(code, 128 + signum, out)
+    self.assertEqual(code, exit, out)
     said = [l for l in out.splitlines() if l.startswith("tfdist: ")]
     self.assertEqual(said, [f"tfdist: {line}; {launch.output.RESUME}"], out)
     self.assertEqual(_kill_left(pids), [])

@@ -28,6 +28,7 @@ from tfdist.errors import ConfigError
 from tfdist.launch import fingerprint
 from tfdist.launch import spec as spec_lib
 from tfdist.launch import rendezvous
+from tfdist.launch import rounds
 
 import cluster_utils
 import netbed
@@ -250,7 +251,7 @@ class StrangerTest(parameterized.TestCase):
       t.start()
     for t in threads:
       t.join(30)
-    self.assertEqual(placed[0]["cluster"],
+    self.assertEqual(placed[0].cluster,
                      {"worker": ["127.0.0.1:1000", "127.0.0.1:1001"]})
 
   def test_a_forged_message_ends_only_the_forger(self):
@@ -269,7 +270,7 @@ class StrangerTest(parameterized.TestCase):
     while lost is None and not stalls.expired(start, 15):
       lost = member.poll(timeout=0.5)
     self.assertIsNotNone(lost)
-    self.assertEqual(lost["kind"], "lost")
+    self.assertIsInstance(lost, rounds.Stop)
 
 
 #: Another Keras 3 release than the one installed, for a node that runs it.
@@ -375,8 +376,6 @@ class NodeSpecTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ("rank_past_nodes", dict(nnodes=2, node_rank=2, master_addr="h",
                                master_port=1), "node_rank"),
-      ("no_master_addr", dict(nnodes=2, master_port=1), "master_addr"),
-      ("no_master_port", dict(nnodes=2, master_addr="h"), "master_port"),
       ("bad_master_addr", dict(nnodes=2, master_addr="a..b", master_port=1),
        "master_addr"),
       ("zero_nodes", dict(nnodes=0), "nnodes"),
@@ -387,6 +386,16 @@ class NodeSpecTest(parameterized.TestCase):
   def test_bad_node_fields_are_named(self, kwargs, field):
     with self.assertRaises(ConfigError) as raised:
       spec_lib.LaunchSpec(command=("python", "x.py"), **kwargs)
+    self.assertEqual(raised.exception.field, field)
+
+  @parameterized.named_parameters(
+      ("no_master_addr", dict(master_port=1), "master_addr"),
+      ("no_master_port", dict(master_addr="h"), "master_port"))
+  def test_several_nodes_need_node_0s_address_and_port(self, kwargs, field):
+    spec = spec_lib.LaunchSpec(command=(sys.executable, "-c", "pass"),
+                               nnodes=2, **kwargs)
+    with self.assertRaises(ConfigError) as raised:
+      spec_lib.preflight(spec)
     self.assertEqual(raised.exception.field, field)
 
   def test_several_nodes_need_a_secret(self):

@@ -36,6 +36,29 @@ _ENV = {"PYTHONPATH": cluster_utils.REPO, "PYTHONUNBUFFERED": "1",
         "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
+#: What each task learns of its job, as one JSON line.
+FACTS = ("import json, os; c = json.loads(os.environ['TF_CONFIG']); "
+         "print(json.dumps({k: os.environ.get(k) for k in ('TFDIST_NNODES', "
+         "'TFDIST_RUN_ID', 'TFDIST_RESTART', 'TFDIST_RESTART_COUNT', "
+         "'TFDIST_MAX_RESTARTS', 'SLURM_JOB_ID')} | c))")
+#: Worker 1 fails at once; worker 0 would sleep for 10 minutes.
+ONE_FAILS = ("import json, os, sys, time; "
+             "i = json.loads(os.environ['TF_CONFIG'])['task']['index']; "
+             "time.sleep(1 if i else 600); sys.exit(3)")
+STALL_JOB = os.path.join(cluster_utils.SCRIPTS, "stall_job.py")
+#: In round 0 worker 2 kills its node's launcher (a lost node); every other
+#: task waits to be stopped. In later rounds each says what it sees.
+ELASTIC_TASK = """import json, os, signal, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+if os.environ["TFDIST_RESTART"] == "0":
+  if task["index"] == 2:
+    os.kill(os.getppid(), signal.SIGKILL)
+  time.sleep(600)
+print(json.dumps({k: os.environ[k] for k in (
+    "TFDIST_NNODES", "TFDIST_RESTART", "TFDIST_RESTART_COUNT")}), flush=True)
+"""
+
+
 def _json_lines(text: str) -> list[dict]:
   return [json.loads(line[line.index("{"):]) for line in text.splitlines()
           if "{" in line and line.rstrip().endswith("}")]
@@ -84,10 +107,10 @@ class TwoNodeSlurmTest(absltest.TestCase):
     self.assertLen(results, 2, out)
     for result in results:
       self.assertEqual((result["replicas"], result["sum"]), (2, 3.0), out)
-      # resolve_cluster reads SLURM's node names; the strategy dialled
-      # their NodeAddr, since the names resolve nowhere.
+      # Each node's launcher wrote TF_CONFIG with the nodes' NodeAddr, since
+      # their names resolve nowhere.
       hosts = {a.rsplit(":", 1)[0] for a in result["cluster"]["worker"]}
-      self.assertEqual(hosts, {"node1", "node2"}, job)
+      self.assertEqual(hosts, self._addresses(), job)
 
   def test_two_tasks_per_node_train_with_fit(self):
     r = self.slurm.srun(["-N", "2", "--ntasks-per-node=2", sys.executable,
@@ -145,8 +168,94 @@ class TwoNodeSlurmTest(absltest.TestCase):
     self.assertLen(results, 2, out)
     for result in results:
       self.assertEqual(result["sum"], 3.0, out)
-      hosts = {a.rsplit(":", 1)[0] for a in result["cluster"]["worker"]}
-      self.assertEqual(hosts, {"node1", "node2"}, job)
+    self.assertEqual(out.count(f"tfdist: from SLURM job {job}: --nnodes 2 "),
+                     2, out)
+
+  def _addresses(self, nodes=("node1", "node2")) -> set[str]:
+    return {self.bed.address(n) for n in nodes}
+
+  def _launch(self, *args: str, srun=("-N", "2"), env=None, timeout=120):
+    """``srun SRUN tfdist launch ARGS`` (one launcher a node unless SRUN
+    says otherwise), its output as text."""
+    return self.slurm.srun(
+        [*srun, "--kill-on-bad-exit=0", "tfdist", "launch", *args],
+        env={**_ENV, "TFDIST_JOB_SECRET": "slurm-bed-secret", **(env or {})},
+        timeout=timeout)
+
+  def test_one_launcher_a_node_takes_its_members_and_facts_from_slurm(self):
+    r = self._launch("--workers", "2", "--", sys.executable, "-c", FACTS)
+    self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+    facts = _json_lines(r.stdout)
+    self.assertLen(facts, 4, r.stdout)
+    job = facts[0]["SLURM_JOB_ID"]
+    for f in facts:
+      self.assertEqual(
+          (f["TFDIST_NNODES"], f["TFDIST_RUN_ID"], f["TFDIST_RESTART"],
+           f["TFDIST_RESTART_COUNT"], f["TFDIST_MAX_RESTARTS"]),
+          ("2", f"slurm-{job}", "0", "0", "0"), r.stdout)
+      hosts = {a.rsplit(":", 1)[0] for a in f["cluster"]["worker"]}
+      self.assertEqual(hosts, self._addresses(), r.stdout)
+    self.assertEqual(sorted(f["task"]["index"] for f in facts), [0, 1, 2, 3])
+    # One line on each node says where each value came from.
+    for rank, node in enumerate(("node1", "node2")):
+      self.assertIn(
+          f"tfdist: from SLURM job {job}: --nnodes 2 (the step's nodes), "
+          f"--node-rank {rank} ({node}'s place among them), --master-addr "
+          f"{self.bed.address('node1')} (the first, node1, its NodeAddr), "
+          "--master-port ", r.stdout)
+
+  def test_a_failed_task_stops_every_node(self):
+    # Worker 0 on node1 would sleep 10 minutes: the harness's bound on srun
+    # (120 s) fails the test if node1's launcher waited for it.
+    r = self._launch("--workers", "1", "--grace-seconds", "2", "--",
+                     sys.executable, "-c", ONE_FAILS)
+    self.assertEqual(r.returncode, 3, r.stdout + r.stderr)
+    self.assertIn("tfdist: node 0 stops: task worker:1 on node 1 failed",
+                  r.stdout)
+
+  def test_more_than_one_task_a_node_is_refused_naming_the_option(self):
+    r = self._launch("--workers", "1", "--", sys.executable, "-c", "pass",
+                     srun=("-N", "2", "--ntasks-per-node=2"))
+    self.assertEqual(r.returncode, 2, r.stdout + r.stderr)
+    said = [l for l in r.stderr.splitlines() if l.startswith("tfdist: ")]
+    self.assertLen(said, 4, r.stderr)  # One line from each launcher.
+    for line in said:
+      self.assertIn("--ntasks-per-node: received 2; expected 1", line)
+
+  def test_a_node_of_another_job_is_refused_naming_both_ids(self):
+    # Node2's launcher sees another SLURM_JOB_ID (the same port slot, so it
+    # reaches node 0): node 0 refuses it, naming both.
+    r = self.slurm.srun(
+        ["-N", "2", "--kill-on-bad-exit=0", "bash", "-c",
+         'if [[ "${SLURM_NODEID}" == 1 ]]; then export SLURM_JOB_ID=999999; '
+         'fi; exec tfdist launch --workers 1 --rendezvous-timeout-seconds 15 '
+         f'-- {sys.executable} -c pass'],
+        env={**_ENV, "TFDIST_JOB_SECRET": "slurm-bed-secret",
+             "TFDIST_PORT_BASE": "20000"}, timeout=120)
+    self.assertNotEqual(r.returncode, 0, r.stdout)
+    job, = set(re.findall(r"from SLURM job (\d+):", r.stdout)) - {"999999"}
+    self.assertIn(f"SLURM_JOB_ID 999999 on node 1, {job} on node 0",
+                  r.stdout + r.stderr)
+
+  def test_a_stalled_job_reports_in_its_output_file(self):
+    with tempfile.TemporaryDirectory() as d:
+      script = os.path.join(d, "job.sbatch")
+      subprocess.run(
+          [sys.executable, "-m", "tfdist", "slurm", "--preset",
+           "multi_worker_mirrored", "--nodes", "2", "--gpus-per-node", "0",
+           "--cpus-per-task", "1", "--time", "00:10:00", "-o", script],
+          check=True, timeout=60, env=cluster_utils.base_env(),
+          cwd=cluster_utils.REPO)
+      os.chmod(d, 0o755)
+      job, out = self.slurm.sbatch(script, args=[
+          f"--export=ALL,PYTHONPATH={cluster_utils.REPO},"
+          f"TFDIST_COMMAND={sys.executable} {STALL_JOB} collective 6 "
+          "--slow-worker 1 --at 5"], timeout=400)
+    # Worker 1, on node2, sleeps in a callback: node 0's launcher prints
+    # the report when worker 0's collective times out, and every node stops.
+    self.assertRegex(out, r"tfdist: stall report \(worker:0 exited 1: "
+                          r"(DeadlineExceededError|WorkerLostError)", job)
+    self.assertIn("tfdist: node 1 stops: task worker:0 on node 0 failed", out)
 
   def _scontrol(self, *args: str) -> str:
     return subprocess.run(
@@ -196,7 +305,7 @@ class TwoNodeSlurmTest(absltest.TestCase):
       if not cluster_utils.wait_until(condition, 240, interval=0.3):
         self.fail(f"timed out waiting for {what}: {self._job(job)}\n{text()}")
 
-    wait(lambda: all(re.search(rf"(?m)^{r}: step 2$", text())
+    wait(lambda: all(re.search(rf"(?m)^{r}: \[worker:{r}\] step 2$", text())
                      for r in range(ranks)), "step 2")
     state, _, first_nodes = self._job(job)
     self.assertEqual(state, "RUNNING")
@@ -231,10 +340,12 @@ class TwoNodeSlurmTest(absltest.TestCase):
                       r"code 42", first)
     self.assertIsNotNone(saved, first)
     step = int(saved.group(1))
-    steps = [int(s) for s in re.findall(r"(?m)^0: step (\d+)$", second)]
+    steps = [int(s) for s in re.findall(r"(?m)^0: \[worker:0\] step (\d+)$",
+                                        second)]
     self.assertEqual(steps, list(range(step + 1, fault_runs.STEPS + 1)),
                      second)
-    result = json.loads(re.search(r"(?m)^0: (\{.*\})$", second).group(1))
+    result = json.loads(re.search(r"(?m)^0: \[worker:0\] (\{.*\})$",
+                                  second).group(1))
     fault_runs.assert_like(self, result, reference)
 
   def test_a_preempted_two_node_run_resumes_on_the_node_left(self):
@@ -266,13 +377,49 @@ class TwoNodeSlurmTest(absltest.TestCase):
     self.assertEqual(sorted(saved), ["0", "1"], first)
     self.assertLen(set(saved.values()), 1, saved)  # One agreed step.
     self.assertNotRegex(second, r"(?m)^1: ")  # One task now.
-    steps = [int(s) for s in re.findall(r"(?m)^0: step (\d+)$", second)]
+    steps = [int(s) for s in re.findall(r"(?m)^0: \[worker:0\] step (\d+)$",
+                                        second)]
     self.assertEqual(steps, list(range(int(saved["0"]) + 1,
                                        fault_runs.STEPS + 1)), second)
-    result = json.loads(re.search(r"(?m)^0: (\{.*\})$", second).group(1))
+    result = json.loads(re.search(r"(?m)^0: \[worker:0\] (\{.*\})$",
+                                  second).group(1))
     # As every fault test: 1e-5 absolute, on weights of order 1 (one weight
     # near zero was 7e-5 apart relatively, 6e-8 absolutely, once).
     fault_runs.assert_like(self, result, reference)
+
+
+@pytest.mark.timeout(600)
+@absltest.skipIf(_REASON is not None, _REASON)
+class ThreeNodeSlurmTest(absltest.TestCase):
+  """`tfdist slurm --nodes 2-3`: SLURM grants three nodes, one is lost."""
+
+  def test_a_lost_nodes_peers_go_on_at_the_smaller_size(self):
+    with netbed.NetBed(hosts=("ctl", "node1", "node2", "node3"),
+                       resolvable=False) as bed, \
+        slurm_harness.LocalSlurm(bed=bed, cpus=2) as slurm, \
+        tempfile.TemporaryDirectory() as d:
+      task, script = os.path.join(d, "task.py"), os.path.join(d, "job.sbatch")
+      with open(task, "w") as f:
+        f.write(ELASTIC_TASK)
+      subprocess.run(
+          [sys.executable, "-m", "tfdist", "slurm", "--nodes", "2-3",
+           "--cpus-per-task", "1", "--time", "00:10:00", "-o", script],
+          check=True, timeout=60, env=cluster_utils.base_env(),
+          cwd=cluster_utils.REPO)
+      os.chmod(d, 0o755)
+      job, out = slurm.sbatch(script, args=[
+          f"--export=ALL,PYTHONPATH={cluster_utils.REPO},"
+          f"TFDIST_COMMAND={sys.executable} {task}"], timeout=300)
+    self.assertIn(f"tfdist: from SLURM job {job}: --nnodes 3 ", out)
+    self.assertIn("members changed (round 1, no restart spent): node 2's "
+                  "launcher went away", out)
+    self.assertIn("; 3 nodes, now 2", out)
+    # Exactly the two nodes left go on, at the smaller size, spending no
+    # restart.
+    self.assertEqual(_json_lines(out), [
+        {"TFDIST_NNODES": "2", "TFDIST_RESTART": "1",
+         "TFDIST_RESTART_COUNT": "0"}] * 2, out)
+
 
 if __name__ == "__main__":
   absltest.main()

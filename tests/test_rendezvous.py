@@ -298,7 +298,7 @@ class StrangerTest(absltest.TestCase):
     self.addCleanup(member.close)
     placed = member.join(attempt=0, host="127.0.0.1", jobs={"worker": 1},
                          evaluator=False, ports=[1000])
-    self.assertEqual(placed["cluster"], {"worker": ["127.0.0.1:1000"]})
+    self.assertEqual(placed.cluster, {"worker": ["127.0.0.1:1000"]})
     self.assertIn(f"accept() failed ([Errno {errno.EMFILE}]", lines[0])
     self.assertEqual(lines[1], "free\n")
     proc.stdin.write("end\n")

@@ -247,6 +247,41 @@ class StepDetectionTest(parameterized.TestCase):
     self.assertIn(words, str(ctx.exception))
 
 
+class LaunchFieldsTest(parameterized.TestCase):
+  """What `tfdist launch` takes from a step of one task per node."""
+
+  _ALIASES = {"SLURM_NODE_ALIASES": "n9:10.0.0.9:n9,n10:10.0.0.10:n10"}
+
+  @parameterized.named_parameters(
+      ("node_0_workers", "0", None, 2, {}),
+      ("node_1_roles", "1", "chief=1,ps=1,worker=2", 2,
+       dict(chief=False, num_ps=0, num_workers=2, evaluator=False)),
+      ("node_0_roles", "0", "chief=1,ps=1,worker=2", 2,
+       dict(chief=True, num_ps=1, num_workers=0, evaluator=False)))
+  def test_members_from_the_step(self, rank, roles, tasks, jobs):
+    env = _step_env(SLURM_PROCID=rank, SLURM_NODEID=rank,
+                    SLURMD_NODENAME=("n9", "n10")[int(rank)],
+                    TFDIST_SLURM_ROLES=roles, **self._ALIASES)
+    fields, line, job = slurm.launch_fields(env, tasks=tasks, min_nodes=1)
+    self.assertEqual(fields, {"nnodes": 2, "min_nodes": 1,
+                              "node_rank": int(rank),
+                              "master_addr": "10.0.0.9",
+                              "master_port": _BASE, **jobs})
+    self.assertEqual(job, str(_JOB))
+    self.assertTrue(line.startswith(
+        f"from SLURM job {_JOB}: --nnodes 2 (the step's nodes), --node-rank "
+        f"{rank} ("), line)
+    self.assertIn("--master-addr 10.0.0.9 (the first, n9, its NodeAddr)",
+                  line)
+
+  def test_more_than_one_task_a_node_is_refused(self):
+    env = _layout("n[9-10]", "2(x2)", 4, 2, **self._ALIASES)
+    with self.assertRaises(ConfigError) as raised:
+      slurm.launch_fields(env, tasks=1)
+    self.assertEqual((raised.exception.field, raised.exception.value),
+                     ("--ntasks-per-node", 2))
+
+
 class MalformedSlurmTest(parameterized.TestCase):
 
   @parameterized.named_parameters(

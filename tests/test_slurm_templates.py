@@ -70,7 +70,8 @@ class TemplatesInSyncTest(parameterized.TestCase):
       self.assertIn(line, [l.strip() for l in text.splitlines()])
     self.assertRegex(text, r"(?m)^#SBATCH --signal=B:USR1@\d+$")
     self.assertRegex(
-        text, r'(?m)^srun --kill-on-bad-exit=0 .*"\$\{command\[@\]\}" &$')
+        text, r'(?m)^srun .*--ntasks-per-node=1 .*--kill-on-bad-exit=0 tfdist '
+              r'launch .*-- "\$\{command\[@\]\}" &$')
     check = subprocess.run(["bash", "-n", _template(preset)],
                            capture_output=True, text=True, check=False)
     self.assertEqual(check.returncode, 0, check.stderr)
@@ -157,16 +158,24 @@ class SbatchSpecTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("range", "1-4", 1, "--nodes=1-4\n#SBATCH --cpus-per-task=1",
-       "--ntasks-per-node=1 "),
+       "--nnodes 1:4 "),
       ("range_two_tasks_a_node", "1-4", 2,
-       "--nodes=1-4\n#SBATCH --mincpus=2\n", "--ntasks-per-node=2 "),
+       "--nodes=1-4\n#SBATCH --mincpus=2\n", "--nnodes 1:4 "),
       ("one_size", "2-2", 2, "--nodes=2\n#SBATCH --ntasks-per-node=2\n", ""),
       ("count", 3, 1, "--nodes=3\n#SBATCH --ntasks-per-node=1\n", ""))
-  def test_nodes_as_slurm_writes_them(self, nodes, per_node, sbatch, srun):
+  def test_nodes_as_slurm_writes_them(self, nodes, per_node, sbatch, elastic):
+    """One launcher a node, starting the node's tasks; a range is elastic
+    and survives a lost node (--no-kill)."""
     text = launch.render(launch.SbatchSpec(nodes=nodes,
                                            tasks_per_node=per_node))
     self.assertIn(f"\n#SBATCH {sbatch}", text)
-    self.assertIn(f"\nsrun --kill-on-bad-exit=0 {srun}\"${{command", text)
+    self.assertIn(f"\ntasks=${{SLURM_NTASKS_PER_NODE:-{per_node}}}\n", text)
+    self.assertIn(
+        '\nsrun --ntasks="${SLURM_JOB_NUM_NODES}" --ntasks-per-node=1 '
+        "--cpus-per-task=$(( "
+        "${SLURM_CPUS_PER_TASK:-1} * tasks )) --kill-on-bad-exit=0 tfdist "
+        f'launch --workers "${{tasks}}" {elastic}-- "${{command', text)
+    self.assertEqual("#SBATCH --no-kill\n" in text, bool(elastic))
 
   def test_roles_are_normalized_and_exported(self):
     spec = launch.SbatchSpec(nodes=2, tasks_per_node=2,
@@ -174,7 +183,7 @@ class SbatchSpecTest(parameterized.TestCase):
     self.assertEqual(spec.roles, "chief=1,ps=1,worker=2")
     text = launch.render(spec)
     self.assertIn("export TFDIST_SLURM_ROLES=chief=1,ps=1,worker=2\n", text)
-    self.assertIn("srun --kill-on-bad-exit=0 --wait=60 ", text)
+    self.assertIn(' tfdist launch --workers "${tasks}" -- ', text)
 
   def test_command_is_shell_quoted(self):
     spec = launch.SbatchSpec(command=("python", "t.py", "--x=a b", "$HOME"))
@@ -359,9 +368,15 @@ tearDownModule = _SHARED.stop  # pylint: disable=invalid-name
 
 
 def _results(output: str) -> list[dict]:
-  return sorted((json.loads(line[len("RESULT "):])
-                 for line in output.splitlines() if line.startswith("RESULT ")),
-                key=lambda r: (r["restart"], r["procid"], "usr1" in r))
+  """Each task's RESULT line (after the launcher's ``[ROLE] ``), by round,
+  node (the launcher's SLURM_PROCID) and task."""
+  return sorted(
+      (json.loads(line.partition("RESULT ")[2])
+       for line in output.splitlines() if "RESULT {" in line),
+      key=lambda r: (r["restart"], r["procid"],
+                     ("chief", "ps", "worker").index(r.get("task_type",
+                                                           "worker")),
+                     r.get("task_id", 0), "usr1" in r))
 
 
 def _payload(mode: str, *flags: str) -> str:
@@ -384,18 +399,18 @@ class TemplatesOnRealSlurmTest(parameterized.TestCase):
                                          timeout=timeout)
     return int(job_id), output
 
-  def assert_workers(self, results, job_id, num_nodes):
-    """One worker per node; rank r has the address of the node it ran on."""
-    base = slurm_lib.default_port_base(job_id)
+  def assert_workers(self, results, num_nodes):
+    """One worker per node: node r's launcher (srun's rank r) started
+    worker r, and every task has the same cluster of ``num_nodes``."""
     nodes = [r["node"] for r in results]
     self.assertLen(set(nodes), num_nodes)
     self.assertLen(nodes, num_nodes)
     self.assertContainsSubset(nodes, _NODES)
-    addresses = [f"{r['node']}:{base}" for r in results]  # Rank order.
     for rank, r in enumerate(results):
-      self.assertEqual(r["procid"], rank)
-      self.assertEqual((r["task_type"], r["task_id"]), ("worker", rank))
-      self.assertEqual(r["cluster"], {"worker": addresses})
+      self.assertEqual((r["procid"], r["task_type"], r["task_id"]),
+                       (rank, "worker", rank))
+      self.assertLen(r["cluster"]["worker"], num_nodes)
+      self.assertEqual(r["cluster"], results[0]["cluster"])
 
   @parameterized.named_parameters(
       ("fits", dict(cpus_per_task=2, tasks_per_node=2), None),
@@ -414,13 +429,13 @@ class TemplatesOnRealSlurmTest(parameterized.TestCase):
     job_id, output = self.submit(
         "single_node_gpus", ["--gpus-per-node=0", "--cpus-per-task=1"],
         _payload("resolve"))
-    self.assert_workers(_results(output), job_id, 1)
+    self.assert_workers(_results(output), 1)
 
   def test_multi_worker_mirrored_without_gres_resolves_two_nodes(self):
     job_id, output = self.submit(
         "multi_worker_mirrored", ["--gpus-per-node=0", "--cpus-per-task=1"],
         _payload("resolve", "--strategy=auto"))
-    self.assert_workers(_results(output), job_id, 2)
+    self.assert_workers(_results(output), 2)
 
   @parameterized.named_parameters(("both_free", False, 1, 2),
                                   ("one_drained", True, 1, 1),
@@ -441,30 +456,30 @@ class TemplatesOnRealSlurmTest(parameterized.TestCase):
     with mock.patch.dict(self.slurm.env, env):
       _, output = self.slurm.sbatch(launch.render(spec), timeout=60)
     results = _results(output)
-    self.assertEqual([r["procid"] for r in results],
-                     list(range(granted * per_node)), output)
+    self.assertEqual([(r["procid"], r["task_id"]) for r in results],
+                     [(i // per_node, i) for i in range(granted * per_node)],
+                     output)
     self.assertLen({r["node"] for r in results}, granted)
     for r in results:  # Each task resolved the cluster SLURM granted.
       self.assertLen(r["cluster"]["worker"], granted * per_node)
 
   def test_parameter_server_roles_on_two_nodes(self):
-    job_id, output = self.submit("parameter_server", ["--cpus-per-task=1"],
-                                 _payload("resolve"))
-    base = slurm_lib.default_port_base(job_id)
+    # Each node's launcher starts its share of the roles in rank order.
+    _, output = self.submit("parameter_server", ["--cpus-per-task=1"],
+                            _payload("resolve"))
     results = _results(output)
     self.assertLen(results, 4, output)
     first, second = results[0]["node"], results[2]["node"]  # SLURM's order.
     self.assertCountEqual([first, second], _NODES)
-    expected_cluster = {"chief": [f"{first}:{base}"],
-                        "ps": [f"{first}:{base + 1}"],
-                        "worker": [f"{second}:{base}", f"{second}:{base + 1}"]}
     self.assertEqual(
         [(r["procid"], r["node"], r["task_type"], r["task_id"])
          for r in results],
-        [(0, first, "chief", 0), (1, first, "ps", 0),
-         (2, second, "worker", 0), (3, second, "worker", 1)], output)
+        [(0, first, "chief", 0), (0, first, "ps", 0),
+         (1, second, "worker", 0), (1, second, "worker", 1)], output)
     for r in results:
-      self.assertEqual(r["cluster"], expected_cluster)
+      self.assertEqual(r["cluster"], results[0]["cluster"])
+      self.assertEqual({k: len(v) for k, v in r["cluster"].items()},
+                       {"chief": 1, "ps": 1, "worker": 2})
 
   # The two "nodes" share one machine and so the ports SLURM's rank layout
   # gives them; a real two-task TensorFlow cluster runs on one node here.

@@ -24,7 +24,9 @@ args = parser.parse_args()
 
 got = []
 signal.signal(signal.SIGUSR1, lambda *_: got.append(time.time()))
-procid = int(os.environ["SLURM_PROCID"])
+# The task's rank: its TF_CONFIG index under tfdist launch, else srun's.
+procid = (json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+          if "TF_CONFIG" in os.environ else int(os.environ["SLURM_PROCID"]))
 print("RESULT " + json.dumps({
     "procid": procid,
     "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),

@@ -74,7 +74,9 @@ _FLAGS: _args.FlagTable = {
         type=int, metavar="R", help="this node's rank, 0 to MAX-1; node 0 runs "
                                     "the rendezvous and holds the chief")),
     "master_addr": ("--master-addr", dict(
-        metavar="HOST", help="node 0's address, as every node reaches it")),
+        metavar="HOST", help="node 0's address, as every node reaches it; "
+        "in an srun step (one task a node) SLURM gives it, --nnodes and "
+        "--node-rank")),
     "master_port": ("--master-port", dict(
         type=int, metavar="PORT", help="the rendezvous port on node 0")),
     "rendezvous_timeout_seconds": ("--rendezvous-timeout-seconds", dict(

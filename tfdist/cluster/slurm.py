@@ -49,6 +49,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from tfdist import _net
+from tfdist.cluster import names
 from tfdist.cluster.hostlist import expand_hostlist, expand_tasks_per_node
 from tfdist.cluster.info import JOB_NAMES, ClusterInfo, SlurmInfo
 from tfdist.errors import ConfigError
@@ -62,6 +64,7 @@ __all__ = [
     "default_port_base",
     "PORT_RANGE_START",
     "PORTS_PER_JOB",
+    "launch_fields",
 ]
 
 #: Environment variables, e.g. ``os.environ`` or a test's dict.
@@ -267,6 +270,55 @@ def resolve_slurm(environ: Environ | None = None, *,
           nodes=tuple(nodes), tasks_per_node=tuple(counts),
           array_job_id=env.get("SLURM_ARRAY_JOB_ID"),
           array_task_id=env.get("SLURM_ARRAY_TASK_ID")))
+
+
+def launch_fields(environ: Environ | None = None, *, tasks: int,
+                  min_nodes: int | None = None) -> tuple[dict, str, str]:
+  """What ``tfdist launch`` takes from its ``srun`` step, one launcher a
+  node: `LaunchSpec` fields (node 0 the step's first node, at its
+  ``NodeAddr`` when its name does not resolve, on the first port of the
+  job's slot; ``min_nodes`` at most the step's size; with
+  ``TFDIST_SLURM_ROLES``, this node's ``tasks`` of them in rank order), one
+  line saying where each came from, and the job id.
+
+  Raises:
+    ConfigError: not a step of one task per node (``--ntasks-per-node``),
+      or what `resolve_slurm` refuses.
+  """
+  env = os.environ if environ is None else environ
+  info = resolve_slurm({k: v for k, v in env.items() if k != ROLES_VARIABLE})
+  step = info.slurm
+  if max(step.tasks_per_node) > 1:
+    raise ConfigError(
+        field="--ntasks-per-node", value=max(step.tasks_per_node),
+        source="the SLURM step of tfdist launch",
+        expected="1: one tfdist launch per node, which starts the node's "
+                 "tasks itself",
+        hint="Run `srun --ntasks-per-node=1 tfdist launch --workers K ...`")
+  first = info.cluster["worker"][0]
+  master, port = _net.split_address(
+      names.resolve_names(info, environ=env).cluster["worker"][0])
+  job = (f"{step.array_job_id}_{step.array_task_id}" if step.array_task_id
+         else step.job_id)
+  nodes = len(step.nodes)
+  where = "" if first.startswith(f"{master}:") else ", its NodeAddr"
+  line = (f"from SLURM job {job}: --nnodes {nodes} (the step's nodes), "
+          f"--node-rank {step.proc_id} ({step.node}'s place among them), "
+          f"--master-addr {master} (the first, {step.nodes[0]}{where}), "
+          f"--master-port {port} (the job's port slot)")
+  fields = {"nnodes": nodes, "min_nodes": min(min_nodes or nodes, nodes),
+            "node_rank": step.proc_id, "master_addr": master,
+            "master_port": port}
+  if env.get(ROLES_VARIABLE):
+    roles = parse_roles(env[ROLES_VARIABLE], field=ROLES_VARIABLE,
+                        source="the environment")
+    ranks = [job for job, n in roles.items() for _ in range(n)]
+    mine = ranks[step.proc_id * tasks:(step.proc_id + 1) * tasks]
+    fields.update(chief="chief" in mine, num_ps=mine.count("ps"),
+                  num_workers=mine.count("worker"),
+                  evaluator="evaluator" in mine)
+    line += f", its tasks {','.join(mine)} ({ROLES_VARIABLE})"
+  return fields, line, job
 
 
 def _check_step(env: Environ, source: str) -> None:

@@ -47,9 +47,7 @@ members in an elastic job; stopping then takes the launcher's
 ``grace_seconds``. Node 0's launcher is the one node a job cannot lose.
 
 What to decide is `tfdist.launch.rounds.Rounds`'s; this module carries it
-over the network. `tfdist.launch.rounds.Solo` is the rendezvous of one node,
-with no network: the launcher runs one supervision loop whatever the number
-of nodes.
+over the network, one row of `tfdist.launch.members`.
 
 The secret (`tfdist._net.JOB_SECRET_VARIABLE` in the environment, or a file)
 is never sent, and never appears on a command line. Every wait is bounded,
@@ -74,6 +72,7 @@ from typing import Any, Callable, Mapping, Sequence
 from tfdist import _net
 from tfdist import _secret
 from tfdist.launch import fingerprint
+from tfdist.launch import rounds
 from tfdist.launch.rounds import Outbox
 from tfdist.launch.rounds import RendezvousError
 from tfdist.launch.rounds import Rounds
@@ -513,8 +512,8 @@ class Member:
       gate.close()
 
   def join(self, *, attempt: int, host: str, jobs: Mapping[str, int],
-           evaluator: bool, ports: Sequence[int]) -> dict:
-    """Sends this node's tasks; returns the ``cluster`` message of round
+           evaluator: bool, ports: Sequence[int]) -> rounds.Cluster:
+    """Sends this node's tasks; returns the `rounds.Cluster` of round
     ``attempt`` or a later one. Told to wait (the job is full, or went on
     without this node at a last call), it waits for the next restart, or
     the job's end: no deadline then.
@@ -531,23 +530,19 @@ class Member:
     while time.monotonic() < deadline:
       self._check_stop()
       message = self.poll(timeout=_STEP_SECONDS)
-      if message is None:
-        continue
-      kind = message["kind"]
-      if kind == "cluster" and message.get("attempt", -1) >= attempt:
+      if isinstance(message, rounds.Cluster) and message.attempt >= attempt:
         return message
-      if kind == "wait":
-        self._say(message["why"])
+      if isinstance(message, rounds.Wait):
+        self._say(message.why)
         deadline = math.inf  # Until the job ends or restarts.
-      elif kind == "stop" and message.get("restart") is not None:
-        attempt = join["attempt"] = message["restart"]  # A waiting node.
+      elif isinstance(message, rounds.Stop) and message.restart is not None:
+        attempt = join["attempt"] = message.restart  # A waiting node.
         self.send(join)
         deadline = time.monotonic() + self._timeout + SILENCE_SECONDS
-      elif kind == "finish":
+      elif isinstance(message, rounds.Finish):
         raise RendezvousError("the job finished without this node", code=0)
-      elif kind in ("error", "stop", "lost"):
-        raise RendezvousError(message.get("why", "stopped"),
-                              code=message.get("code", 1))
+      elif isinstance(message, rounds.Stop):
+        raise RendezvousError(message.why, code=message.code)
     raise RendezvousError(f"no cluster from the rendezvous within "
                           f"{self._timeout:g} s")
 
@@ -555,15 +550,17 @@ class Member:
     if self._stop.is_set():
       raise RendezvousError("stopped while waiting in the rendezvous")
 
-  def send(self, message: Mapping[str, Any]) -> None:
+  def send(self, message: Any) -> None:
+    """Sends a typed message (`rounds.wire`), or a dict as it is."""
     try:
-      self._channel.send(message)
+      self._channel.send(message if isinstance(message, Mapping)
+                         else rounds.wire(message))
     except OSError:
       pass  # The reader reports the loss.
 
-  def poll(self, timeout: float = 0.0) -> dict | None:
-    """The next message from the master other than a heartbeat, or
-    ``None``; ``{"kind": "lost", ...}`` once the master is gone."""
+  def poll(self, timeout: float = 0.0) -> Any:
+    """The next typed message from the master (`rounds.typed`), or
+    ``None``; a `rounds.Stop` once the master is gone."""
     end = time.monotonic() + timeout
     while True:
       try:
@@ -571,7 +568,7 @@ class Member:
       except queue.Empty:
         return None
       if message["kind"] != "beat":
-        return message
+        return rounds.typed(message)
 
   def _read(self) -> None:
     """Queues the master's messages, then ``lost`` (the reader alone

@@ -20,7 +20,8 @@ from tfdist.errors import PREEMPTED_EXIT_CODE
 from tfdist.errors import TfdistError
 
 __all__ = ["Rounds", "Solo", "RendezvousError", "layout_problem",
-           "disagreement", "Outbox"]
+           "disagreement", "Outbox", "Cluster", "Stop", "Finish", "Wait",
+           "Failed", "Done", "typed", "wire"]
 
 _JOB_ORDER = ("chief", "worker", "ps")
 
@@ -38,6 +39,72 @@ class RendezvousError(TfdistError):
     super().__init__(message)
     self.code = code
 
+
+# The typed messages of every source of members (`tfdist.launch.members`).
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """A round starts; after a restart, ``why`` and the size before."""
+  attempt: int
+  cluster: dict
+  places: list  # This node's tasks' (type, index).
+  nodes: list
+  failures: int
+  max_restarts: int
+  why: str | None = None
+  previous: int | None = None
+  failure: bool = False
+  late: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+  """The round ends: rejoin as round ``restart``, or (``None``) exit."""
+  code: int
+  why: str
+  restart: int | None = None
+  failure: bool = False
+  failures: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+  why: str  # This node waits for the next round.
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+  role: str
+  code: int
+  attempt: int
+  peer_lost: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+  """Every training task is done."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+  """This node's training tasks are done."""
+
+
+#: A message's kind as sent -> its type; "lost" and "error" are stops.
+_KINDS = {"cluster": Cluster, "stop": Stop, "lost": Stop, "error": Stop,
+          "finish": Finish, "wait": Wait, "failed": Failed, "done": Done}
+
+
+def typed(message: Mapping[str, Any]) -> Any:
+  """A message as sent as its type (``None``: a beat, a report)."""
+  kind = _KINDS.get(message.get("kind"))
+  return kind and kind(**{f.name: message[f.name] for f in
+                          dataclasses.fields(kind) if f.name in message})
+
+
+def wire(message: Any) -> dict:
+  """A typed message as sent."""
+  return {"kind": type(message).__name__.lower(),
+          **dataclasses.asdict(message)}
 
 
 def layout_problem(joins: Mapping[int, Mapping[str, Any]]) -> str | None:
@@ -331,11 +398,7 @@ def _trainer_nodes(joins: Mapping[int, Mapping[str, Any]]) -> list[int]:
 
 
 class Solo:
-  """The rendezvous of one node: `Rounds` in this process, no network.
-
-  It has `Member`'s interface, so one supervision loop serves one node and
-  many.
-  """
+  """The members of one node: `Rounds` in this process, no network."""
 
   def __init__(self, *, max_restarts: int):
     self._rounds = Rounds(min_nodes=1, max_nodes=1, max_restarts=max_restarts,
@@ -344,32 +407,27 @@ class Solo:
     self._joined = False
 
   def join(self, *, attempt: int, host: str, jobs: Mapping[str, int],
-           evaluator: bool, ports: Sequence[int]) -> dict:
-    self.send({"kind": "join", "attempt": attempt, "host": host,
-               "jobs": dict(jobs), "evaluator": evaluator,
-               "ports": list(ports)})
+           evaluator: bool, ports: Sequence[int]) -> Cluster:
+    out = self._rounds.join(0, {"attempt": attempt, "host": host,
+                                "jobs": dict(jobs), "evaluator": evaluator,
+                                "ports": list(ports)}, first=not self._joined)
+    self._joined = True
+    self._inbox.extend(m for _, m in out)
     message = self.poll()
-    if message is None or message["kind"] != "cluster":
-      raise RendezvousError((message or {}).get("why", "no cluster"),
-                            code=(message or {}).get("code", 1))
+    if not isinstance(message, Cluster):
+      raise RendezvousError(getattr(message, "why", "no cluster"),
+                            code=getattr(message, "code", 1))
     return message
 
-  def send(self, message: Mapping[str, Any]) -> None:
-    kind = message["kind"]
-    if kind == "join":
-      out = self._rounds.join(0, dict(message), first=not self._joined)
-      self._joined = True
-    elif kind == "failed":
-      out = self._rounds.failed(0, dict(message))
-    elif kind == "done":
-      out = self._rounds.done(0)
-    else:
-      out = []
-    self._inbox.extend(m for _, m in out)
+  def send(self, message: Any) -> None:
+    if isinstance(message, Failed):
+      self._inbox.extend(m for _, m in self._rounds.failed(0, wire(message)))
+    elif isinstance(message, Done):
+      self._inbox.extend(m for _, m in self._rounds.done(0))
 
-  def poll(self, timeout: float = 0.0) -> dict | None:
+  def poll(self, timeout: float = 0.0) -> Any:
     if self._inbox:
-      return self._inbox.popleft()
+      return typed(self._inbox.popleft())
     time.sleep(timeout)
     return None
 

@@ -6,12 +6,17 @@ command line, and the four files in ``cluster_configs/`` are exactly what
 
 Every script:
 
-* runs the training program once per task with ``srun``, so each task is a
-  step task and ``tfdist.make_strategy("auto")`` resolves the cluster from
-  SLURM's variables (see `tfdist.cluster.slurm`);
+* runs one ``tfdist launch`` per node (``srun --ntasks-per-node=1``): its
+  members are the step's nodes (`tfdist.launch.members`), it starts the
+  node's ``tasks_per_node`` tasks, each with its TF_CONFIG, and gives the
+  job what a ``tfdist launch`` job has: nodes that must match, the stall
+  report, ``TFDIST_*`` run facts, every node stopped when a task fails;
+  with ``--nodes MIN-MAX`` (and ``--no-kill``) a lost node's peers go on at
+  the smaller size;
 * asks SLURM for ``--signal=B:USR1@N``: USR1 goes to the batch shell N
   seconds before the time limit, and its trap forwards it to ``srun``, which
-  forwards it to every task, so the tasks can checkpoint and exit with
+  forwards it to every launcher and so every task, so the tasks can
+  checkpoint and exit with
   `tfdist.errors.PREEMPTED_EXIT_CODE` (42); when ``srun`` exits with that
   code the shell requeues the job once (``--requeue``; an array element by
   ``ARRAYID_TASKID``, since one element's ``SLURM_JOB_ID`` is the array's id,
@@ -23,9 +28,8 @@ Every script:
   after the tasks saved the chief task requeues the job
   (`tfdist.cluster.requeue`, turned on by the ``TFDIST_SLURM_REQUEUE=1`` the
   script exports); the shell only waits for srun and exits with its code;
-* runs ``srun --kill-on-bad-exit=0``: a task that saved exits 42, a bad exit
-  to SLURM, and with ``=1`` srun would kill the peers still saving or
-  exiting;
+* runs ``srun --kill-on-bad-exit=0``: a node that saved exits 42, a bad
+  exit to SLURM, and with ``=1`` srun would kill the nodes still saving;
 * appends to one output file per job (``--open-mode=append``, ``%x-%j.out``),
   so the runs of a requeued job follow each other;
 * reads ``TFDIST_COMMAND``, when set, instead of the rendered command, split
@@ -36,9 +40,9 @@ Every script:
   environment sets one: ``srun`` passes it to every task, and the socket
   all-reduce ring admits only tasks that know it.
 
-Parameter-server roles are exported as ``TFDIST_SLURM_ROLES``, which
-`tfdist.cluster.slurm` reads in every task, so any program that builds its
-strategy with tfdist gets them.
+Parameter-server roles are exported as ``TFDIST_SLURM_ROLES``: each node's
+launcher starts its tasks' share of them in rank order
+(`tfdist.cluster.slurm.launch_fields`).
 
 Example:
   >>> spec = SbatchSpec(job_name="mwms", nodes=2, gpus_per_node=4,
@@ -83,8 +87,6 @@ _MAX_SIGNAL_SECONDS = 65535  # SLURM keeps the signal time in 16 bits.
 _MAX_COUNT = 2**32 - 3
 _MAX_PER_NODE = 2**16 - 3
 _MAX_MINUTES = 2**32 - 3  # The time limit, in minutes.
-#: Seconds the remaining PS tasks get after the first task (the chief) exits.
-_PS_WAIT_SECONDS = 60
 #: What the script says when srun exits 42 and the job is not requeued.
 _PREEMPTED = ("the tasks were preempted and saved; submit the same script "
               "again to resume")
@@ -126,9 +128,9 @@ class SbatchSpec:
   Attributes:
     job_name: ``--job-name``; also names the output file ``NAME-JOBID.out``.
     nodes: ``--nodes``: a count, or ``"MIN-MAX"`` (SLURM's spelling) for
-      whatever SLURM grants in that range, first and after each requeue. The
-      tasks read the granted size from SLURM's variables, and a requeued job
-      resumes from its backup at that size.
+      whatever SLURM grants in that range, first and after each requeue, and
+      ``--no-kill``: a lost node's peers go on at the smaller size, and a
+      requeued job resumes from its backup at the size granted.
     tasks_per_node: ``--ntasks-per-node``: one per node for
       MultiWorkerMirrored (each task uses all of its node's GPUs).
     gpus_per_node: ``--gpus-per-node``; 0 asks for no GPUs (no line).
@@ -316,10 +318,9 @@ PRESETS: Mapping[str, SbatchSpec] = {
         command=("python", "train.py", "--strategy=auto"),
         description=(
             "Several nodes, MultiWorkerMirroredStrategy: one task per node, "
-            "each using all of its\nnode's GPUs. No TF_CONFIG: in each srun "
-            "task tfdist.make_strategy('auto') (or\n--strategy=auto with "
-            "tfdist.flags) resolves the cluster from SLURM's variables, rank "
-            "r\nbeing worker r. Scale with --nodes.")),
+            "each using all of its\nnode's GPUs. Each node's tfdist launch "
+            "gives its task a TF_CONFIG, node r's task\nbeing worker r. Scale "
+            "with --nodes.")),
     "parameter_server": SbatchSpec(
         job_name="tfdist-ps",
         nodes=2, tasks_per_node=2, gpus_per_node=0, cpus_per_task=8,
@@ -328,7 +329,8 @@ PRESETS: Mapping[str, SbatchSpec] = {
         description=(
             "Several nodes, ParameterServerStrategy. Ranks get roles in rank "
             "order from\nTFDIST_SLURM_ROLES (here rank 0 chief, rank 1 ps, "
-            "ranks 2-3 workers 0-1), which\ntfdist reads in every task. The "
+            "ranks 2-3 workers 0-1): each node's\ntfdist launch starts its "
+            "share. The "
             "chief trains; in ps and worker tasks\ntfdist.make_strategy serves "
             "the chief and ends the task when the chief is done.\nThe roles "
             "must add up to nodes * ntasks-per-node.")),
@@ -375,6 +377,7 @@ def render(spec: SbatchSpec) -> str:
         else []),
       f"--cpus-per-task={spec.cpus_per_task}",
       f"--time={spec.time}",
+      *(["--no-kill"] if isinstance(spec.nodes, str) else []),
       *([f"--partition={spec.partition}"] if spec.partition else []),
       "--output=%x-%j.out",
       "--open-mode=append",
@@ -420,7 +423,7 @@ def _command_lines(spec: SbatchSpec) -> list[str]:
   ]
   if spec.roles:
     lines += [
-        "# Roles in rank order; tfdist reads them in every task.",
+        "# Roles in rank order; each node's launcher starts its share.",
         f"export TFDIST_SLURM_ROLES={spec.roles}",
     ]
   return lines
@@ -456,8 +459,8 @@ def _signal_lines(spec: SbatchSpec) -> list[str]:
     lines = [
         f"# {spec.signal_seconds} s before the time limit SLURM sends USR1 "
         "to this shell (the B: in",
-        "# --signal). The trap forwards it to srun, which forwards it to "
-        "every task: that is",
+        "# --signal). The trap forwards it to srun, and on to every node's "
+        "launcher and task:",
         "# the tasks' cue to save a checkpoint and exit with code "
         f"{code} (tfdist.PREEMPTED_EXIT_CODE).",
         *after,
@@ -575,35 +578,26 @@ def fits_problem(spec: SbatchSpec, *, timeout: float = 10.0,
 
 def _run_lines(spec: SbatchSpec) -> list[str]:
   code = PREEMPTED_EXIT_CODE
-  options = ["--kill-on-bad-exit=0"]
-  if isinstance(spec.nodes, str):  # A range.
-    options.append(f"--ntasks-per-node={spec.tasks_per_node}")
-  if spec.roles and parse_roles(spec.roles).get("ps"):
-    options.append(f"--wait={_PS_WAIT_SECONDS}")
+  k = spec.tasks_per_node
+  nodes = (["--nnodes", str(spec.nodes).replace("-", ":")]
+           if isinstance(spec.nodes, str) else [])
   lines = [
-      f"# --kill-on-bad-exit=0: a task that saved exits {code}, a bad exit "
-      "to SLURM, and with",
-      "# =1 srun would kill the tasks still saving or exiting (their code "
-      "then reads as",
-      "# Terminated). tfdist tasks end by themselves when a peer is lost "
-      "(WorkerLostError).",
-  ]
-  if isinstance(spec.nodes, str):
-    lines += [
-        f"# --nodes={spec.nodes}: SLURM grants what it can in that range, "
-        "first and after a requeue;",
-        "# srun starts --ntasks-per-node tasks on each node granted, and "
-        "they read the size from",
-        "# SLURM's variables.",
-    ]
-  if spec.roles and parse_roles(spec.roles).get("ps"):
-    lines += [
-        "# ps and worker tasks end by themselves once the chief is done; "
-        "--wait ends them",
-        f"# {_PS_WAIT_SECONDS} s after the first task exits if they have not.",
-    ]
-  lines += [
-      f'srun {" ".join(options)} "${{command[@]}}" &',
+      "# One `tfdist launch` per node, the job's nodes its members (from "
+      "SLURM: no addresses",
+      f"# to give). Each starts its node's {k} task(s) (roles in rank order, "
+      "the node's GPUs split",
+      "# over them) and ends every node's tasks when one fails; a stalled job "
+      "prints its stall",
+      "# report here. --kill-on-bad-exit=0: a node that saved exits "
+      f"{code}, and srun would kill the",
+      "# nodes still saving.",
+      "# (--ntasks-per-node and --cpus-per-task given to sbatch win.)",
+      f"tasks=${{SLURM_NTASKS_PER_NODE:-{k}}}",
+      'srun --ntasks="${SLURM_JOB_NUM_NODES}" --ntasks-per-node=1 '
+      "--cpus-per-task=$(( "
+      f"${{SLURM_CPUS_PER_TASK:-{spec.cpus_per_task}}} * tasks )) "
+      '--kill-on-bad-exit=0 tfdist launch --workers "${tasks}" '
+      f"{' '.join(nodes)}{' ' if nodes else ''}-- \"${{command[@]}}\" &",
       "srun_pid=$!",
       "# wait returns early (128+10) when the trap runs: wait until srun has "
       "exited, then",

@@ -90,8 +90,9 @@ class LaunchSpec:
       every task): letters, digits, ``-``, ``_`` and ``.``. By default the
       first 12 hex digits of a SHA-256 of the job secret (`run_id_of`).
     master_addr: node 0's address as every node reaches it (the rendezvous
-      listens there only); needed when ``nnodes > 1``.
-    master_port: the rendezvous port on node 0; needed when ``nnodes > 1``.
+      listens there only); needed when ``nnodes > 1`` (`preflight`), unless
+      a SLURM step gives it (`tfdist.launch.members`).
+    master_port: the rendezvous port on node 0; needed likewise.
     rendezvous_timeout_seconds: how long each round may wait for enough
       nodes (all, or MIN) to join.
     secret_file: a file holding the job's shared secret (readable by its
@@ -184,15 +185,9 @@ class LaunchSpec:
                    "sure to stay)",
           hint="Put the chief, ps and evaluator tasks on node 0; other "
                "nodes run workers")
-    if self.nnodes > 1:
-      if self.master_addr is None or self.master_port is None:
-        raise ConfigError(
-            field="master_addr" if self.master_addr is None else "master_port",
-            source=_SOURCE,
-            expected=f"node 0's address and port for a job of "
-                     f"{self.nnodes} nodes",
-            hint="Give every node the same master address and port")
+    if self.master_addr is not None:
       _host("master_addr", self.master_addr)
+    if self.master_port is not None:
       _int_at_least("master_port", self.master_port, 1, high=65535)
     if self.secret_file is not None:
       _words("secret_file", (self.secret_file,), "a file path")
@@ -320,6 +315,13 @@ def preflight(spec: LaunchSpec) -> Prepared:
   Raises:
     ConfigError: the first thing missing, naming the field.
   """
+  if spec.nnodes > 1 and None in (spec.master_addr, spec.master_port):
+    raise ConfigError(
+        field="master_addr" if spec.master_addr is None else "master_port",
+        source=_SOURCE, hint="Give every node the same master address and "
+        "port (under SLURM, run tfdist launch in an srun step instead)",
+        expected=f"node 0's address and port for a job of {spec.nnodes} "
+                 "nodes")
   program = spec.command[0]
   if shutil.which(program) is None:
     raise ConfigError(field="command", value=program, source=_SOURCE,
