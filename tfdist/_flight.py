@@ -17,9 +17,10 @@ Where ``tfdist launch`` asks for it (``TFDIST_FLIGHT_DIR``), a thread of the
 process writes the record and every thread's Python stack (faulthandler)
 there as ``<type>-<index>.json`` and ``.stacks.txt``: when the launcher asks
 (`REQUEST_FILE`), when no step began for ``TFDIST_STALL_SECONDS``, and when
-a collective timed out or lost a peer (`failed`). The thread keeps answering
-while the main thread waits in TensorFlow, which releases the interpreter.
-The launcher reads the dumps and prints one report (`tfdist.launch.stall`).
+a collective failed (`failed`). The thread keeps answering while the main
+thread waits in TensorFlow, which releases the interpreter. The launcher
+reads the dumps and prints one report (`tfdist.launch.stall`). Without a
+launcher, a failed collective prints one line (`failed`).
 A record costs two clock reads and a list (``tfdist bench`` measures Keras
 ``fit`` with and without the recorder: ``flight_recorder_ratio``); with no
 launcher asking, no thread runs and nothing is written.
@@ -62,15 +63,16 @@ COLLECTIVE_FAILURES = frozenset({
     "DeadlineExceededError", "UnavailableError", "AbortedError",
     "WorkerLostError", "StartupTimeoutError"})
 
-# A record: [step, kind, bytes, transport, peers, entered, left, failed];
-# times from time.time(), so the launcher can compare processes.
+# A record: [step, kind, bytes, transport, peers, entered, left, failed,
+# seq]; times from time.time(); seq counts this process's collectives, so
+# tasks that wait at the same point can be compared.
 _STEP, _KIND, _BYTES, _TRANSPORT, _PEERS, _ENTERED, _LEFT, _FAILED = range(8)
 _GENERIC_LINE = re.compile(
     r"^(graph execution error:|\d+ root error\(s\) found\."
     r"|detected at node .* defined at \(most recent call last\):"
     r"|file \".*\", line \d+.*)$", re.IGNORECASE)
 _FIELDS = ("step", "kind", "bytes", "transport", "peers", "entered", "left",
-           "failed")
+           "failed", "seq")
 
 
 class _State:
@@ -82,6 +84,8 @@ class _State:
     self.step = 0  # The step in progress, or the last one begun.
     self.progress_at = time.time()  # When a step began or a batch ended.
     self.stepped = False
+    self.entered = 0  # Collectives entered.
+    self.failed: BaseException | None = None  # The last said (`failed`).
     self.watching = False
     self.recording = True  # Keras steps are recorded (`set_recording`).
     self.lock = threading.Lock()  # Dumps: one at a time.
@@ -115,8 +119,9 @@ def progress() -> None:
 def enter(kind: str, *, transport: str, peers: str,
           nbytes: int | None = None) -> list:
   """Notes that a collective began; `leave` it with what this returns."""
+  _state.entered += 1
   record = [_state.step, kind, nbytes, transport, peers, time.time(), None,
-            False]
+            False, _state.entered]
   _state.records.append(record)
   return record
 
@@ -134,18 +139,39 @@ def recorded(kind: str, *, transport: str, peers: str,
   record = enter(kind, transport=transport, peers=peers, nbytes=nbytes)
   try:
     yield
-  except BaseException:
+  except BaseException as e:
     leave(record, failed=True)
+    if isinstance(e, Exception):
+      failed(e, collective=True)
     raise
   leave(record)
 
 
-def failed(error: BaseException) -> None:
-  """Dumps, where the launcher asked for dumps, when ``error`` is a
-  collective's timeout or a lost peer; call it before raising it on."""
-  if (os.environ.get(DIR_VARIABLE)
-      and type(error).__name__ in COLLECTIVE_FAILURES):
-    dump(f"{type(error).__name__}: {summary(error, 200)}")
+def failed(error: BaseException, *, collective: bool = False) -> None:
+  """Says where this task stood when a collective failed (``collective``,
+  or ``error`` is a timeout or a lost peer); call it before raising it on.
+
+  Where ``tfdist launch`` asked for dumps, it dumps; elsewhere (``srun
+  python train.py`` by hand) it prints one line: this task, its step, the
+  collective it waits in and its innermost frame of user code.
+  """
+  if _state.failed is error or not (
+      collective or type(error).__name__ in COLLECTIVE_FAILURES):
+    return
+  _state.failed = error
+  reason = f"{type(error).__name__}: {summary(error, 200)}"
+  if os.environ.get(DIR_VARIABLE):
+    dump(reason, failed=True)
+    return
+  records = list(_state.records)
+  last = max([r for r in records if r[_LEFT] is None] or records,
+             key=lambda r: r[_ENTERED], default=None)
+  where = _where(threading.main_thread()) or "no frame of user code"
+  print(f"tfdist: {_role()} at step {_state.step}, "
+        + (f"in {last[_KIND]} ({last[_TRANSPORT]}, {last[_PEERS]})"
+           if last else "in no collective")
+        + f", at {where.partition(': ')[0]}: {reason}",
+        file=sys.stderr, flush=True)
 
 
 def summary(error: BaseException, limit: int = 300) -> str:
@@ -166,20 +192,25 @@ def _role() -> str:
     task = {}
   if task.get("type") is not None:
     return f"{task['type']}:{task.get('index', 0)}"
+  if os.environ.get("SLURM_PROCID"):
+    return f"task:{os.environ['SLURM_PROCID']}"
   return f"pid-{os.getpid()}"
 
 
-def snapshot(reason: str, *, request: int = 0) -> dict[str, Any]:
+def snapshot(reason: str, *, request: int = 0,
+             failed: bool = False) -> dict[str, Any]:  # pylint: disable=redefined-outer-name
   """This process's record as the dump holds it."""
   records = list(_state.records)
   return {"role": _role(), "pid": os.getpid(), "reason": reason,
-          "request": request, "time": time.time(), "step": _state.step,
+          "request": request, "failed": failed, "time": time.time(),
+          "step": _state.step,
           "progress_at": _state.progress_at,
           "where": _where(threading.main_thread()),
           "records": [dict(zip(_FIELDS, r)) for r in records]}
 
 
-def dump(reason: str, *, request: int = 0) -> str | None:
+def dump(reason: str, *, request: int = 0,
+         failed: bool = False) -> str | None:  # pylint: disable=redefined-outer-name
   """Writes the record and every thread's stack under ``TFDIST_FLIGHT_DIR``.
 
   Returns:
@@ -191,7 +222,7 @@ def dump(reason: str, *, request: int = 0) -> str | None:
   if not directory:
     return None
   with _state.lock:
-    found = snapshot(reason, request=request)
+    found = snapshot(reason, request=request, failed=failed)
     # worker:1 -> worker-1, as the launcher names each task's log.
     stem = os.path.join(directory, found["role"].replace(":", "-"))
     found["stacks"] = stem + ".stacks.txt"
