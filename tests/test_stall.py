@@ -244,7 +244,8 @@ class ThreeNodesTest(absltest.TestCase):
       outs = [nodes.stdout(i) for i in range(3)]
     self.assertEqual(codes[0], 1, outs[0])
     report = _report(outs[0])
-    self.assertRegex(report[0], r"stall report \(worker:0 exited 1: ")
+    self.assertRegex(report[0], r"stall report \(node [01]: worker:[01] "
+                                r"exited 1: DeadlineExceededError: ")
     self.assertIn("behind: worker:2 (by 2 steps, at step 3)", report[0])
     at = next(i for i, l in enumerate(report)
               if l.startswith("  worker:2 on node 2: step 3, BEHIND"))
@@ -373,9 +374,10 @@ class RecordTest(parameterized.TestCase):
     self.assertEqual((last["kind"], last["failed"]), ("probe failing", True))
 
   def test_steps_close_with_several_steps_per_execution(self):
-    import keras  # pylint: disable=g-import-not-at-top
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    from tfdist.strategy import flight_steps  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top: TensorFlow for this test only.
+    import keras
+    import numpy as np
+    from tfdist.strategy import flight_steps
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
     before = max([r["seq"] for r in _flight.snapshot("probe")["records"]],

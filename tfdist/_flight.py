@@ -19,8 +19,7 @@ there as ``<type>-<index>.json`` and ``.stacks.txt``: when the launcher asks
 (`REQUEST_FILE`), when no step began for ``TFDIST_STALL_SECONDS``, and when
 a collective failed (`failed`). The thread keeps answering while the main
 thread waits in TensorFlow, which releases the interpreter. The launcher
-reads the dumps and prints one report (`tfdist.launch.stall`). Without a
-launcher, a failed collective prints one line (`failed`).
+reads the dumps and prints one report (`tfdist.launch.stall`).
 A record costs two clock reads and a list (``tfdist bench`` measures Keras
 ``fit`` with and without the recorder: ``flight_recorder_ratio``); with no
 launcher asking, no thread runs and nothing is written.
@@ -43,9 +42,9 @@ import time
 from typing import Any, Iterator
 
 __all__ = ["CAPACITY", "COLLECTIVE_FAILURES", "DIR_VARIABLE", "STALL_VARIABLE",
-           "REQUEST_FILE", "set_recording", "recording", "begin_step",
-           "progress", "enter", "leave", "recorded", "failed", "summary",
-           "watch", "dump", "snapshot"]
+           "REQUEST_FILE", "ASKED", "set_recording", "recording",
+           "begin_step", "progress", "enter", "leave", "recorded", "failed",
+           "summary", "watch", "dump", "snapshot"]
 
 #: Collectives kept per process, oldest dropped first.
 CAPACITY = 1000
@@ -53,8 +52,9 @@ CAPACITY = 1000
 DIR_VARIABLE = "TFDIST_FLIGHT_DIR"
 #: No step for this many seconds (after the first) dumps; unset or 0: never.
 STALL_VARIABLE = "TFDIST_STALL_SECONDS"
-#: The launcher writes a growing number here to ask every task for a dump.
-REQUEST_FILE = "request"
+#: The launcher writes a growing number here to ask every task for a dump;
+#: the dump's reason.
+REQUEST_FILE, ASKED = "request", "the launcher asked"
 _POLL_S = 0.25
 #: Errors of a collective that failed on a peer, by class name (TensorFlow's
 #: and tfdist's), which dump before they are raised on; the dump's reason
@@ -64,8 +64,7 @@ COLLECTIVE_FAILURES = frozenset({
     "WorkerLostError", "StartupTimeoutError"})
 
 # A record: [step, kind, bytes, transport, peers, entered, left, failed,
-# seq]; times from time.time(); seq counts this process's collectives, so
-# tasks that wait at the same point can be compared.
+# seq]; times from time.time(); seq: this process's count of collectives.
 _STEP, _KIND, _BYTES, _TRANSPORT, _PEERS, _ENTERED, _LEFT, _FAILED = range(8)
 _GENERIC_LINE = re.compile(
     r"^(graph execution error:|\d+ root error\(s\) found\."
@@ -148,20 +147,17 @@ def recorded(kind: str, *, transport: str, peers: str,
 
 
 def failed(error: BaseException, *, collective: bool = False) -> None:
-  """Says where this task stood when a collective failed (``collective``,
-  or ``error`` is a timeout or a lost peer); call it before raising it on.
-
-  Where ``tfdist launch`` asked for dumps, it dumps; elsewhere (``srun
-  python train.py`` by hand) it prints one line: this task, its step, the
-  collective it waits in and its innermost frame of user code.
-  """
+  """Where a collective failed (``collective``, or ``error`` is a timeout
+  or a lost peer), dumps for ``tfdist launch``, else (``srun python
+  train.py``) prints one line: this task, its step, its collective and its
+  innermost frame of user code. Call it before raising ``error`` on."""
   if _state.failed is error or not (
       collective or type(error).__name__ in COLLECTIVE_FAILURES):
     return
   _state.failed = error
   reason = f"{type(error).__name__}: {summary(error, 200)}"
   if os.environ.get(DIR_VARIABLE):
-    dump(reason, failed=True)
+    dump(reason)
     return
   records = list(_state.records)
   last = max([r for r in records if r[_LEFT] is None] or records,
@@ -197,20 +193,17 @@ def _role() -> str:
   return f"pid-{os.getpid()}"
 
 
-def snapshot(reason: str, *, request: int = 0,
-             failed: bool = False) -> dict[str, Any]:  # pylint: disable=redefined-outer-name
+def snapshot(reason: str, *, request: int = 0) -> dict[str, Any]:
   """This process's record as the dump holds it."""
   records = list(_state.records)
   return {"role": _role(), "pid": os.getpid(), "reason": reason,
-          "request": request, "failed": failed, "time": time.time(),
-          "step": _state.step,
+          "request": request, "time": time.time(), "step": _state.step,
           "progress_at": _state.progress_at,
           "where": _where(threading.main_thread()),
           "records": [dict(zip(_FIELDS, r)) for r in records]}
 
 
-def dump(reason: str, *, request: int = 0,
-         failed: bool = False) -> str | None:  # pylint: disable=redefined-outer-name
+def dump(reason: str, *, request: int = 0) -> str | None:
   """Writes the record and every thread's stack under ``TFDIST_FLIGHT_DIR``.
 
   Returns:
@@ -222,7 +215,7 @@ def dump(reason: str, *, request: int = 0,
   if not directory:
     return None
   with _state.lock:
-    found = snapshot(reason, request=request, failed=failed)
+    found = snapshot(reason, request=request)
     # worker:1 -> worker-1, as the launcher names each task's log.
     stem = os.path.join(directory, found["role"].replace(":", "-"))
     found["stacks"] = stem + ".stacks.txt"
@@ -266,7 +259,7 @@ def _watch(directory: str, stall: float) -> None:
     asked = _request(directory)
     if asked > answered:
       answered = asked
-      dump("the launcher asked", request=asked)
+      dump(ASKED, request=asked)
     quiet = time.time() - _state.progress_at
     if stall and _state.stepped and quiet > stall:
       if stalled_at != _state.progress_at:

@@ -384,7 +384,7 @@ class Launcher:
       self._flight.request()
 
   def _merge_report(self, rank: int, message: dict) -> None:
-    """Node 0: a node's answer to a stall report's ask, or its loss."""
+    """Node 0: a node's answer to a stall report's ask."""
     if self._flight is not None:
       self._flight.merge(rank, message)
 

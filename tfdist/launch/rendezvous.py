@@ -202,8 +202,7 @@ class Master:
     log: where it says that a stranger was turned away (once per address),
       that a node was refused or warned about.
     on_report: ``on_report(rank, message)`` for a node's answer to a stall
-      report's ``ask``, which goes to every node
-      (`tfdist.launch.stall.Flight.merge`); ``None`` drops them.
+      report's ``ask`` (`tfdist.launch.stall.Flight.merge`); ``None`` drops.
 
   Raises:
     OSError: from the constructor, when the address cannot be listened on.

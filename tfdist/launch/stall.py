@@ -1,24 +1,20 @@
 """The stall report: which task is behind, at which step, on which line.
 
 Each task of ``tfdist launch`` keeps a flight record of its collectives
-(`tfdist._flight`) and dumps it, with every thread's stack, into this
-round's flight directory when asked. A report is wanted on ``SIGUSR2`` to
-any node's launcher, when a task's collective failed, and when a task saw
-no step for ``--stall-seconds``. The node that sees it answers at once and
-sends an ``ask``, which node 0's rendezvous relays to every node. A node
-answers by asking its tasks (`ask`), waiting at most `WAIT_S` for dumps
-written for the request or after it (`collect`), and sending node 0 each
-task's `brief`: its place, its last `BRIEF_RECORDS` collectives and their
-ages by the node's own clock. Node 0 prints one report of every node
-(`report`), naming a node that did not answer within `ANSWER_S` and why, and
-keeps it as JSON beside its dumps (``report-<ask>.json``). A task that
-cannot dump (stopped, ended, or unable to write) is named with the reason.
-On one node the messages go no further than `Flight`.
+(`tfdist._flight`) and dumps it, with every thread's stack, when asked. On
+``SIGUSR2`` to any node's launcher, a failed collective, or no step for
+``--stall-seconds``, that node answers and sends an ``ask``, which node 0's
+rendezvous relays to every node. A node answers by asking its tasks (`ask`),
+waiting at most `WAIT_S` for dumps written for the request or after it
+(`collect`), and sending node 0 each task's `brief`, aged by its own clock.
+Node 0 prints one report of every node (`report`), naming a node that did
+not answer within `ANSWER_S`, and keeps it as JSON beside its dumps.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import secrets
@@ -74,7 +70,8 @@ class Flight:
     self._stall = stall_seconds
     self._say = say
     self._rank = rank
-    self._send = send or self._deliver
+    self._send = send or (lambda m: self._pend({**m, "nodes": [0]}) if m[
+        "kind"] == "ask" else self.merge(0, m))  # One node: no rendezvous.
     self._node = f"node {rank}: " if send else ""
     self._temporary = log_dir is None
     # Unguessable where no log directory is given: nobody else makes it.
@@ -94,12 +91,12 @@ class Flight:
     self._seen: set[str] = set()
     self._looked = 0.0
     self._turned = 0.0  # When the round's loop last watched.
-    self._asks = 0
+    self._asks = self._requests = 0
     self._lock = threading.Lock()  # Node 0: answers come on other threads.
-    # Node 0: the report to print (its asks, why, nodes, deadline), and each
-    # node's last answer.
-    self._pending: tuple[set[str], str, list[int], float] | None = None
-    self._answers: dict[int, dict] = {}
+    # Node 0: the report to print (its first ask, why, nodes, deadline),
+    # and each node's answer since the last report, when it came.
+    self._pending: tuple[str, str, list[int], float] | None = None
+    self._answers: dict[int, tuple[float, dict]] = {}
 
   def env(self, attempt: int) -> dict[str, str]:
     """The tasks' variables for round ``attempt``."""
@@ -147,22 +144,23 @@ class Flight:
     """The dump task ``role`` wrote this round as a collective failed (a
     timeout, a lost peer, calls out of order), if it did."""
     dump = _dumps(self.directory).get(role) or {}
-    return dump if dump.get("failed") and dump["time"] >= self._since else None
+    return dump if dump.get("time", 0) >= self._since and not str(
+        dump["reason"]).startswith((_STALL, _flight.ASKED)) else None
 
   def failed(self, role: str, code: int, dump: dict, pids: Mapping[str, int],
              notes: Mapping[str, Sequence[str]]) -> None:
     """Task ``role`` failed as a collective failed (``dump``, from
     `lost_peer`): the report, asked before this node's tasks stop."""
     self._ask_all(f"{role} exited {code}: {dump['reason']}", pids, notes)
+    self._print()  # One node: said before its tasks stop.
 
   def merge(self, rank: int, message: dict) -> None:
     """Node 0: node ``rank``'s answer to an ``ask``."""
     with self._lock:
-      self._answers[rank] = message
+      self._answers[rank] = (time.monotonic(), message)
 
   def settle(self) -> None:
-    """Node 0: prints the reports asked for, once every node answered or
-    `ANSWER_S` passed."""
+    """Node 0: prints the report asked for, within `ANSWER_S`."""
     while not self._print():
       time.sleep(_POLL_S)
 
@@ -187,52 +185,46 @@ class Flight:
   def _answer(self, number: str, pids: Mapping[str, int],
               notes: Mapping[str, Sequence[str]]) -> None:
     self._turned = time.monotonic() + WAIT_S  # Busy, yet in a round.
-    asked_at = time.time()
-    try:
-      request = ask(self.directory)
-    except OSError:  # Only dumps written since answer.
-      request = 1 << 62
-    found = collect(self.directory, pids, request=request, since=self._since,
-                    asked_at=asked_at, notes=notes)
-    now = time.time()
+    asked_at, self._requests = time.time(), self._requests + 1
+    with contextlib.suppress(OSError):  # Dumps written since answer too.
+      ask(self.directory, self._requests)
+    found = collect(self.directory, pids, request=self._requests,
+                    since=self._since, asked_at=asked_at, notes=notes)
     self._reported = True
     # One report a stall: the tasks' stall dumps of this one are said.
     self._seen.update(_key(t, d) for t, d in found.items()
                       if isinstance(d, dict))
     self._send({"kind": "report", "id": number, "directory": self.directory,
-                "found": {t: brief(d, now) if isinstance(d, dict) else d
-                          for t, d in found.items()}})
-
-  def _deliver(self, message: dict) -> None:
-    """One node: node 0's rendezvous is this object."""
-    if message["kind"] == "ask":
-      self._pend({**message, "nodes": [0]})
-    else:
-      self.merge(0, message)
+                "found": {t: brief(d, time.time()) if isinstance(d, dict)
+                          else d for t, d in found.items()}})
 
   def _pend(self, ask: dict) -> None:
-    """Node 0: a report to print once ``ask["nodes"]`` answered; an ask
-    while one waits joins it (several nodes saw the same stall)."""
+    """Node 0: a report to print once its nodes answered; asks meanwhile
+    join it (several nodes saw the same stall)."""
     with self._lock:
-      ids, why, nodes, deadline = self._pending or (
-          set(), "", [], time.monotonic() + ANSWER_S)
-      self._pending = (ids | {ask["id"]}, "; ".join(filter(None, (
-          why, ask["why"]))), sorted({*nodes, *ask["nodes"]}), deadline)
+      first, why, nodes, deadline = self._pending or (
+          ask["id"], "", [], time.monotonic() + ANSWER_S)
+      self._pending = (first, "; ".join(filter(None, (why, ask["why"]))),
+                       sorted({*nodes, *ask["nodes"]}), deadline)
 
   def _print(self) -> bool:
     """Says the report if its answers are in; whether none waits."""
     with self._lock:
       if self._pending is None:
         return True
-      ids, why, nodes, deadline = self._pending
-      got = {r: a for r, a in self._answers.items() if a.get("id") in ids}
+      first, why, nodes, deadline = self._pending
+      # Any answer to an ask of this stall: a node's round may end before
+      # it hears every ask.
+      got = {r: a for r, (at, a) in self._answers.items()
+             if at > deadline - 2 * ANSWER_S}
       if time.monotonic() < deadline and not set(nodes) <= set(got):
         return False
       self._pending = None
+      self._answers.clear()
     lines, record = report({r: got.get(r, (
         f"no answer within {ANSWER_S:g} s: its launcher is stopped, busy or "
         "cut off")) for r in nodes}, why=why)
-    path = os.path.join(self.directory, f"report-{min(ids)}.json")
+    path = os.path.join(self.directory, f"report-{first}.json")
     try:
       os.makedirs(self.directory, mode=0o700, exist_ok=True)
       with open(path, "w") as f:
@@ -245,20 +237,14 @@ class Flight:
     return True
 
 
-def ask(directory: str) -> int:
-  """Asks every task writing to ``directory`` for a dump; the request's
-  number, which the dumps answering it carry."""
+def ask(directory: str, number: int) -> None:
+  """Asks every task writing to ``directory`` for a dump answering request
+  ``number`` (larger than the last)."""
   os.makedirs(directory, mode=0o700, exist_ok=True)
   path = os.path.join(directory, _flight.REQUEST_FILE)
-  try:
-    with open(path) as f:
-      number = int(f.read().strip() or 0) + 1
-  except (OSError, ValueError):
-    number = 1
   with open(path + ".tmp", "w") as f:
     f.write(str(number))
   os.replace(path + ".tmp", path)
-  return number
 
 
 def stalled(directory: str, seen: set[str]) -> str | None:
@@ -277,13 +263,9 @@ def collect(directory: str, pids: Mapping[str, int], *, request: int,
             notes: Mapping[str, Sequence[str]] | None = None,
             wait_s: float = WAIT_S) -> dict[str, dict | str]:
   """Each task (``pids``: role -> pid) to its dump answering ``request``
-  (the number `ask` returned), or why it has none, within ``wait_s``.
-
-  A dump answers when written for the request, or at ``asked_at``
-  (``time.time()``) or after; a task that ended, with its last dump since
-  ``since`` (the round's start). A line of a task's output (``notes``)
-  saying it could not write its dump stands for the dump.
-  """
+  (from `ask`, at ``asked_at``), or why it has none (stopped, ended, its
+  line in ``notes`` saying it could not write), within ``wait_s``. A task
+  that ended answers with its last dump since ``since``."""
   deadline = time.monotonic() + wait_s
   while True:
     dumps = _dumps(directory)
@@ -306,10 +288,9 @@ def collect(directory: str, pids: Mapping[str, int], *, request: int,
 
 
 def brief(dump: dict, now: float) -> dict:
-  """What node 0 reads of a dump: the task's place (``step``, ``done``: the
-  collectives it entered in that step), its last `BRIEF_RECORDS` and the
-  one it waits in, each with its age by this node's clock (``for_s`` while
-  open, else ``ago_s``) instead of its times."""
+  """What node 0 reads of a dump: the task's place (``step``, ``done`` in
+  it), its last `BRIEF_RECORDS` collectives and the one it waits in, aged by
+  this node's clock (``for_s`` while open, else ``ago_s``), not timed."""
   records = dump.get("records") or []
   step = int(dump.get("step") or 0)
   last = _last(records)
@@ -330,11 +311,10 @@ def report(answers: Mapping[int, dict | str], *,
   """One report of every node's answer (a ``report`` message, or why there
   is none): its lines, at most 3 a task and 3 more, and its JSON record."""
   found: dict[str, dict | str] = {}
-  node_of, dirs, silent, notes = {}, [], [], []
+  node_of, dirs, silent = {}, [], []
   for rank, answer in sorted(answers.items()):
     if isinstance(answer, str):
-      silent.append(f"node {rank}")
-      notes.append(f"  node {rank}: {answer}")
+      silent.append(rank)
       continue
     dirs.append(f"node {rank} {answer['directory']}" if len(answers) > 1
                 else answer["directory"])
@@ -363,13 +343,13 @@ def report(answers: Mapping[int, dict | str], *,
     lines.append(f"  {name}: step {step}{state}; "
                  f"{_describe(entry['last'])}")
     lines.append(f"      at {entry.get('where') or 'no frame of user code'}")
-  lines += notes
+  lines += [f"  node {rank}: {answers[rank]}" for rank in silent]
   mismatch = _mismatch(briefs)
   said = [mismatch] if mismatch else []
   said.append(f"behind: {', '.join(behind)}" if behind
               else "no task is behind")
   if silent:
-    said.append(f"no answer from {', '.join(silent)}")
+    said.append(f"no answer from node {', '.join(map(str, silent))}")
   head = f"stall report ({why}): {'; '.join(said)}"
   tail = (f"  dumps (record .json, stacks .stacks.txt): {', '.join(dirs)}"
           if any(b.get("stacks") for b in briefs.values())
