@@ -1,7 +1,7 @@
 """A Keras fit where one worker falls behind; run under tfdist launch.
 
 Usage: stall_job.py TRANSPORT TIMEOUT_S [--slow-worker K --at STEP]
-  [--epochs E] [--steps-per-execution N] [--extra-worker J]
+  [--epochs E] [--steps-per-execution N]
 
 Every worker builds MultiWorkerMirroredStrategy (``tfdist.make_strategy``)
 with TRANSPORT and a collective timeout of TIMEOUT_S, prints
@@ -9,8 +9,7 @@ with TRANSPORT and a collective timeout of TIMEOUT_S, prints
 epochs of 100 steps, printing ``{"trained": rank}`` after its first step.
 Worker K sleeps in a callback after step STEP (the line `SLEEP_LINE`
 names), far longer than the bound, so the others wait for it in the next
-step (with N steps per execution, STEP ends an execution). Worker J's model
-has one extra weight: it all-reduces one extra tensor.
+step (with N steps per execution, STEP ends an execution).
 """
 
 import argparse
@@ -25,7 +24,6 @@ parser.add_argument("--slow-worker", type=int, default=-1)
 parser.add_argument("--at", type=int, default=5)
 parser.add_argument("--epochs", type=int, default=1)
 parser.add_argument("--steps-per-execution", type=int, default=1)
-parser.add_argument("--extra-worker", type=int, default=-1)
 args = parser.parse_args()
 
 import keras  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -56,8 +54,7 @@ class Slow(keras.callbacks.Callback):
 
 
 with strategy.scope():
-  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)] + (
-      [keras.layers.Dense(2, use_bias=False)] if rank == args.extra_worker else []))
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
   model.compile(optimizer=perf.with_gradient_options(
       keras.optimizers.SGD(0.1),
       perf.GradientOptions(transport=args.transport,
