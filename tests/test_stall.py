@@ -23,6 +23,7 @@ import pytest
 
 import cluster_utils
 from tfdist import _flight
+from tfdist.launch import rendezvous
 from tfdist.launch import stall
 
 LAUNCH = [sys.executable, "-m", "tfdist", "launch"]
@@ -181,45 +182,136 @@ class ManyTasksTest(parameterized.TestCase):
       self.assertIn("step 6; in gradient bucket 1/1 (socket ring", entry)
 
 
-@pytest.mark.timeout(300)
-class TwoNodesTest(absltest.TestCase):
-  """Two launchers on loopback stand for two nodes, a ring task each."""
+def _nodes(n: int, port: int, flags, job) -> cluster_utils.Tasks:
+  """``n`` launchers on loopback standing for ``n`` nodes, a task each."""
+  env = cluster_utils.base_env({"TFDIST_JOB_SECRET": "stall-test-secret"})
+  return cluster_utils.Tasks(
+      commands=[LAUNCH + ["--nnodes", str(n), "--node-rank", str(rank),
+                          "--master-addr", "127.0.0.1", "--master-port",
+                          str(port), "--grace-seconds", "2", *flags, "--",
+                          sys.executable, *job] for rank in range(n)],
+      envs=[env] * n, cwd=cluster_utils.REPO, merge_stderr=True)
 
-  def test_node_0_reports_every_nodes_tasks_together(self):
+
+@pytest.mark.timeout(400)
+class ThreeNodesTest(absltest.TestCase):
+  """Three launchers on loopback stand for three nodes, a task each; node
+  0 prints one report of every node, whichever node saw the stall."""
+
+  def test_sigusr2_to_node_1_gives_one_report_of_every_node(self):
     port = cluster_utils.free_ports(1)[0]
-    env = cluster_utils.base_env({"TFDIST_JOB_SECRET": "stall-test-secret"})
     with tempfile.TemporaryDirectory() as d:
-      commands = [LAUNCH + ["--nnodes", "2", "--node-rank", str(rank),
-                            "--master-addr", "127.0.0.1", "--master-port",
-                            str(port), "--stall-seconds", "2",
-                            "--grace-seconds", "2", "--", sys.executable,
-                            RING_JOB, d, "--slow", "1", "--at", "5"]
-                  for rank in (0, 1)]
-      with cluster_utils.Tasks(commands=commands, envs=[env, env],
-                               cwd=cluster_utils.REPO,
-                               merge_stderr=True) as nodes:
-        self.addCleanup(lambda: _kill([*_pids(nodes, 0).values(),
-                                       *_pids(nodes, 1).values()]))
+      with _nodes(3, port, [], [RING_JOB, d, "--slow", "2", "--at",
+                                "5"]) as nodes:
+        self.addCleanup(lambda: _kill([p for i in range(3)
+                                       for p in _pids(nodes, i).values()]))
         self.assertTrue(cluster_utils.wait_until(
-            lambda: "every node" in nodes.stdout(0)
-            and "  dumps" in nodes.stdout(1), 90),
-            nodes.stdout(0) + nodes.stdout(1))
-        cluster_utils.wait_until(  # The whole combined report.
-            lambda: "(node 1)" in nodes.stdout(0), 10)
-        outs = [nodes.stdout(0), nodes.stdout(1)]
-        nodes.signal(1, signal.SIGTERM)
-        nodes.signal(0, signal.SIGTERM)
+            lambda: all(_pids(nodes, i) for i in range(3)), 90),
+            nodes.stdout(0))
+        cluster_utils.wait_until(lambda: False, 3)  # Into the stall.
+        nodes.signal(1, stall.SIGNAL)
+        self.assertTrue(cluster_utils.wait_until(
+            lambda: "  dumps" in nodes.stdout(0), 60), nodes.stdout(0))
+        outs = [nodes.stdout(i) for i in range(3)]
+        for i in (2, 1, 0):
+          nodes.signal(i, signal.SIGTERM)
         nodes.wait_all(60)
-    combined = next(l for l in outs[0].splitlines() if "every node" in l)
-    self.assertIn("behind: worker:1 (by 1 step, at step 5)", combined)
-    self.assertIn("node 1: worker:1 saw no step for 2 s", combined)
-    report = outs[0].splitlines()
-    at = report.index(combined)
-    self.assertIn("(node 1)", "\n".join(report[at:at + 8]))
-    # Each node says its own tasks: node 1's report has worker:1 alone.
-    own = _report(outs[1])
-    self.assertTrue(own[1].startswith("  worker:1: step 5"), own)
-    self.assertLen([l for l in own if l.startswith("  worker:")], 1, own)
+    report = _report(outs[0])
+    self.assertIn("(node 1: SIGUSR2 to the launcher)", report[0])
+    self.assertIn("behind: worker:2 (by 1 step, at step 5)", report[0])
+    for rank in (0, 1, 2):
+      self.assertTrue(any(l.startswith(f"  worker:{rank} on node {rank}: ")
+                          for l in report), report)
+    at = next(i for i, l in enumerate(report)
+              if l.startswith("  worker:2 on node 2: step 5, BEHIND"))
+    self.assertIn(f"{RING_JOB}:{_line_of(RING_JOB)} in <module>",
+                  report[at + 1])
+    self.assertRegex(report[-1], r"node 0 .*, node 1 .*, node 2 .*; this "
+                                 r"report: .*report-1\.1\.json")
+    self.assertLen([l for l in outs[0].splitlines()
+                    if l.startswith("tfdist: stall report (")], 1, outs[0])
+    for out in outs[1:]:  # Node 0 alone says the report.
+      self.assertNotIn("tfdist: stall report (", out)
+
+  def test_a_callback_asleep_on_node_2_with_steps_per_execution(self):
+    port = cluster_utils.free_ports(1)[0]
+    with _nodes(3, port, [], [STALL_JOB, "collective", "10", "--slow-worker",
+                              "2", "--at", "4", "--steps-per-execution",
+                              "2"]) as nodes:
+      self.addCleanup(lambda: _kill([p for i in range(3)
+                                     for p in _pids(nodes, i).values()]))
+      codes = nodes.wait_all(300)
+      outs = [nodes.stdout(i) for i in range(3)]
+    self.assertEqual(codes[0], 1, outs[0])
+    report = _report(outs[0])
+    self.assertRegex(report[0], r"stall report \(node [01]: worker:[01] "
+                                r"exited 1: DeadlineExceededError: ")
+    self.assertIn("behind: worker:2 (by 2 steps, at step 3)", report[0])
+    at = next(i for i, l in enumerate(report)
+              if l.startswith("  worker:2 on node 2: step 3, BEHIND"))
+    self.assertIn("; left gradients", report[at])  # Its steps closed.
+    self.assertIn(f"{STALL_JOB}:{_line_of(STALL_JOB)} in on_train_batch_end",
+                  report[at + 1])
+    for rank in (0, 1):
+      self.assertTrue(any(l.startswith(f"  worker:{rank} on node {rank}: "
+                                       "step 5; ") for l in report), report)
+    self.assertLen([l for l in outs[0].splitlines()
+                    if l.startswith("tfdist: stall report (")], 1, outs[0])
+
+
+@pytest.mark.timeout(300)
+class MismatchTest(absltest.TestCase):
+
+  def test_a_worker_that_all_reduces_one_extra_tensor(self):
+    with tempfile.TemporaryDirectory() as d, \
+        tempfile.TemporaryDirectory() as logs:
+      with _launcher("--workers", "3", "--log-dir", logs, "--", sys.executable,
+                     RING_JOB, d, "--extra", "1", "--at", "5") as launcher:
+        self.addCleanup(lambda: _kill(_pids(launcher).values()))
+        code = launcher.wait(0, 120)
+        out = launcher.stdout(0)
+      directory = os.path.join(logs, "flight", "0")
+      records = [n for n in os.listdir(directory) if n.startswith("report-")]
+      self.assertLen(records, 1, out)
+      with open(os.path.join(directory, records[0])) as f:
+        record = json.load(f)
+    self.assertEqual(code, 1, out)
+    head = _report(out)[0]
+    self.assertRegex(
+        head, r"MISMATCHED collectives \(collective #6 of each task\): "
+              r"worker:0, worker:2 in gradient bucket 1/1 \(socket ring "
+              r"\(float32\), 4.0 KiB\); worker:1 in all-reduce \(socket "
+              r"ring \(float32\), 2.0 KiB\); ")
+    self.assertIn(record["mismatch"], head)
+    self.assertEqual("tfdist: " + record["lines"][0], head)
+
+
+@pytest.mark.timeout(300)
+class WithoutLauncherTest(absltest.TestCase):
+  """``srun python train.py`` by hand: TF_CONFIG from the resolver, no
+  launcher, no dumps; each task says where it stood in one line."""
+
+  def test_each_task_prints_one_line_when_its_collective_fails(self):
+    ports = cluster_utils.free_ports(2)
+    hosts = [f"127.0.0.1:{p}" for p in ports]
+    with tempfile.TemporaryDirectory() as d:
+      configs = [{"cluster": {"worker": hosts},
+                  "task": {"type": "worker", "index": i}} for i in (0, 1)]
+      with cluster_utils.Tasks.of_script(
+          "ring_stall.py", configs, args=[d, "--slow", "1", "--at",
+                                          "5"]) as tasks:
+        self.assertTrue(cluster_utils.wait_until(
+            lambda: all(tasks.lines(i) for i in (0, 1)), 60))
+        cluster_utils.wait_until(lambda: False, 2)  # Into the stall.
+        tasks.kill(1)
+        tasks.wait(0, 60)
+        stderr = tasks.stderr(0)
+    lines = [l for l in stderr.splitlines() if l.startswith("tfdist: ")]
+    self.assertLen(lines, 1, stderr)
+    self.assertRegex(
+        lines[0], r"^tfdist: worker:0 at step 6, in gradient bucket 1/1 "
+                  r"\(socket ring \(float32\), ring of 2: .*\), at "
+                  + f"{RING_JOB}:\\d+ in <module>: WorkerLostError: ")
 
 
 @pytest.mark.timeout(300)
@@ -280,6 +372,103 @@ class RecordTest(parameterized.TestCase):
         raise RuntimeError("lost")
     last = _flight.snapshot("probe")["records"][-1]
     self.assertEqual((last["kind"], last["failed"]), ("probe failing", True))
+
+  def test_steps_close_with_several_steps_per_execution(self):
+    # pylint: disable=g-import-not-at-top: TensorFlow for this test only.
+    import keras
+    import numpy as np
+    from tfdist.strategy import flight_steps
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
+    before = max([r["seq"] for r in _flight.snapshot("probe")["records"]],
+                 default=0)
+    model.fit(np.ones((48, 4), "float32"), np.zeros((48, 2), "float32"),
+              batch_size=4, epochs=2, verbose=0,
+              callbacks=[flight_steps.FlightSteps()])
+    steps = [r for r in _flight.snapshot("probe")["records"]
+             if r["kind"] == "gradients" and r["seq"] > before]
+    self.assertLen(steps, 8)  # 12 steps an epoch, 3 an execution.
+    self.assertEqual([r["step"] for r in steps], list(range(1, 24, 3)))
+    self.assertTrue(all(r["left"] is not None for r in steps), steps)
+
+  def test_a_brief_of_1000_ring_calls_is_bounded(self):
+    for _ in range(1000):  # A SocketRing used directly: no step advances.
+      with _flight.recorded("all-reduce", transport="socket ring (float32)",
+                            peers="ring of 64", nbytes=4096):
+        pass
+    record = _flight.enter("all-reduce", transport="socket ring (float32)",
+                           peers="ring of 64", nbytes=4096)
+    self.addCleanup(_flight.leave, record)
+    found = stall.brief(_flight.snapshot("probe"), now=record[5] + 2)
+    self.assertLen(found["records"], stall.BRIEF_RECORDS)
+    self.assertEqual(found["last"]["for_s"], 2.0)
+    self.assertNotIn("entered", found["last"])
+    # One node's answer for 64 such tasks stays far below the limit.
+    answer = {"kind": "report", "id": "0.1", "directory": "/d", "found": {
+        f"worker:{i}": found for i in range(64)}}
+    self.assertLess(len(json.dumps(answer)), rendezvous.MAX_MESSAGE_BYTES / 4)
+
+  def test_only_a_dump_written_for_the_request_or_after_it_answers(self):
+    with tempfile.TemporaryDirectory() as d:
+      def write(role, **fields):
+        with open(os.path.join(d, role.replace(":", "-") + ".json"),
+                  "w") as f:
+          json.dump({"role": role, "step": 1, "records": [], **fields}, f)
+      write("worker:0", time=90.0, request=0, reason="no step for 2 s")
+      write("worker:1", time=110.0, request=0, reason="no step for 2 s")
+      write("worker:2", time=90.0, request=3, reason="the launcher asked")
+      write("worker:3", time=90.0, request=0, reason="WorkerLostError: x")
+      ended = 1 << 30  # No such process: ended.
+      found = stall.collect(
+          d, {"worker:0": os.getpid(), "worker:1": os.getpid(),
+              "worker:2": os.getpid(), "worker:3": ended},
+          request=3, since=80.0, asked_at=100.0, wait_s=0.3)
+    self.assertEqual(found["worker:0"], "no dump within 0.3 s")  # Stale.
+    for role in ("worker:1", "worker:2", "worker:3"):
+      self.assertIsInstance(found[role], dict, role)
+
+  def test_each_node_ages_its_tasks_by_its_own_clock(self):
+    def answer(entered, now):  # Clocks 1000 s apart.
+      dump = {"step": 3, "where": "train.py:9 in step", "records": [
+          {"step": 3, "kind": "gradients", "bytes": 48, "transport": "tf",
+           "peers": "worker:0-1", "entered": entered, "left": None,
+           "failed": False, "seq": 3}]}
+      return {"directory": "/d", "found": {
+          f"worker:{int(entered > 500)}": stall.brief(dump, now)}}
+    lines, _ = stall.report({0: answer(10.0, 14.0),
+                             1: answer(1010.0, 1021.0)}, why="probe")
+    self.assertIn("in gradients (tf, 48 B, worker:0-1) for 4.0 s", lines[1])
+    self.assertIn("in gradients (tf, 48 B, worker:0-1) for 11.0 s", lines[3])
+
+  @parameterized.named_parameters(
+      ("kind", "all-reduce", 4096, "barrier", 4096),
+      ("size", "gradients", 48, "gradients", 56),
+      ("bucket_count", "bucket 1/2", 4096, "bucket 1/3", 4096))
+  def test_tasks_in_different_collectives_lead_the_report(
+      self, kind_a, bytes_a, kind_b, bytes_b):
+    def task(kind, nbytes):
+      return {"step": 5, "done": 1, "where": None, "records": [], "last": {
+          "step": 5, "kind": kind, "bytes": nbytes, "transport": "tf",
+          "peers": "all", "seq": 9, "failed": False, "for_s": 3.0}}
+    lines, record = stall.report({0: {"directory": "/d", "found": {
+        "worker:0": task(kind_a, bytes_a), "worker:1": task(kind_b, bytes_b),
+        "worker:2": task(kind_a, bytes_a)}}}, why="probe")
+    self.assertRegex(lines[0], r"^stall report \(probe\): MISMATCHED "
+                               r"collectives \(collective #9 of each task\): "
+                               rf"worker:0, worker:2 in {kind_a} .*; "
+                               rf"worker:1 in {kind_b} ")
+    self.assertIn(record["mismatch"], lines[0])
+
+  def test_a_request_while_no_round_runs_is_one_line(self):
+    said = []
+    with tempfile.TemporaryDirectory() as logs:
+      flight = stall.Flight(log_dir=logs, stall_seconds=0, say=said.append,
+                            source="test")
+      flight.request()
+      self.assertTrue(cluster_utils.wait_until(lambda: said, 10))
+      flight.close()
+    self.assertEqual(said, ["no stall report: no round runs on this node"])
+    self.assertFalse(flight.asked)
 
 
 if __name__ == "__main__":

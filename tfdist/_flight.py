@@ -17,9 +17,9 @@ Where ``tfdist launch`` asks for it (``TFDIST_FLIGHT_DIR``), a thread of the
 process writes the record and every thread's Python stack (faulthandler)
 there as ``<type>-<index>.json`` and ``.stacks.txt``: when the launcher asks
 (`REQUEST_FILE`), when no step began for ``TFDIST_STALL_SECONDS``, and when
-a collective timed out or lost a peer (`failed`). The thread keeps answering
-while the main thread waits in TensorFlow, which releases the interpreter.
-The launcher reads the dumps and prints one report (`tfdist.launch.stall`).
+a collective failed (`failed`). The thread keeps answering while the main
+thread waits in TensorFlow, which releases the interpreter. The launcher
+reads the dumps and prints one report (`tfdist.launch.stall`).
 A record costs two clock reads and a list (``tfdist bench`` measures Keras
 ``fit`` with and without the recorder: ``flight_recorder_ratio``); with no
 launcher asking, no thread runs and nothing is written.
@@ -42,9 +42,9 @@ import time
 from typing import Any, Iterator
 
 __all__ = ["CAPACITY", "COLLECTIVE_FAILURES", "DIR_VARIABLE", "STALL_VARIABLE",
-           "REQUEST_FILE", "set_recording", "recording", "begin_step",
-           "progress", "enter", "leave", "recorded", "failed", "summary",
-           "watch", "dump", "snapshot"]
+           "REQUEST_FILE", "ASKED", "set_recording", "recording",
+           "begin_step", "progress", "enter", "leave", "recorded", "failed",
+           "summary", "watch", "dump", "snapshot"]
 
 #: Collectives kept per process, oldest dropped first.
 CAPACITY = 1000
@@ -52,8 +52,9 @@ CAPACITY = 1000
 DIR_VARIABLE = "TFDIST_FLIGHT_DIR"
 #: No step for this many seconds (after the first) dumps; unset or 0: never.
 STALL_VARIABLE = "TFDIST_STALL_SECONDS"
-#: The launcher writes a growing number here to ask every task for a dump.
-REQUEST_FILE = "request"
+#: The launcher writes a growing number here to ask every task for a dump;
+#: the dump's reason.
+REQUEST_FILE, ASKED = "request", "the launcher asked"
 _POLL_S = 0.25
 #: Errors of a collective that failed on a peer, by class name (TensorFlow's
 #: and tfdist's), which dump before they are raised on; the dump's reason
@@ -62,15 +63,15 @@ COLLECTIVE_FAILURES = frozenset({
     "DeadlineExceededError", "UnavailableError", "AbortedError",
     "WorkerLostError", "StartupTimeoutError"})
 
-# A record: [step, kind, bytes, transport, peers, entered, left, failed];
-# times from time.time(), so the launcher can compare processes.
+# A record: [step, kind, bytes, transport, peers, entered, left, failed,
+# seq]; times from time.time(); seq: this process's count of collectives.
 _STEP, _KIND, _BYTES, _TRANSPORT, _PEERS, _ENTERED, _LEFT, _FAILED = range(8)
 _GENERIC_LINE = re.compile(
     r"^(graph execution error:|\d+ root error\(s\) found\."
     r"|detected at node .* defined at \(most recent call last\):"
     r"|file \".*\", line \d+.*)$", re.IGNORECASE)
 _FIELDS = ("step", "kind", "bytes", "transport", "peers", "entered", "left",
-           "failed")
+           "failed", "seq")
 
 
 class _State:
@@ -82,6 +83,8 @@ class _State:
     self.step = 0  # The step in progress, or the last one begun.
     self.progress_at = time.time()  # When a step began or a batch ended.
     self.stepped = False
+    self.entered = 0  # Collectives entered.
+    self.failed: BaseException | None = None  # The last said (`failed`).
     self.watching = False
     self.recording = True  # Keras steps are recorded (`set_recording`).
     self.lock = threading.Lock()  # Dumps: one at a time.
@@ -115,8 +118,9 @@ def progress() -> None:
 def enter(kind: str, *, transport: str, peers: str,
           nbytes: int | None = None) -> list:
   """Notes that a collective began; `leave` it with what this returns."""
+  _state.entered += 1
   record = [_state.step, kind, nbytes, transport, peers, time.time(), None,
-            False]
+            False, _state.entered]
   _state.records.append(record)
   return record
 
@@ -134,18 +138,36 @@ def recorded(kind: str, *, transport: str, peers: str,
   record = enter(kind, transport=transport, peers=peers, nbytes=nbytes)
   try:
     yield
-  except BaseException:
+  except BaseException as e:
     leave(record, failed=True)
+    if isinstance(e, Exception):
+      failed(e, collective=True)
     raise
   leave(record)
 
 
-def failed(error: BaseException) -> None:
-  """Dumps, where the launcher asked for dumps, when ``error`` is a
-  collective's timeout or a lost peer; call it before raising it on."""
-  if (os.environ.get(DIR_VARIABLE)
-      and type(error).__name__ in COLLECTIVE_FAILURES):
-    dump(f"{type(error).__name__}: {summary(error, 200)}")
+def failed(error: BaseException, *, collective: bool = False) -> None:
+  """Where a collective failed (``collective``, or ``error`` is a timeout
+  or a lost peer), dumps for ``tfdist launch``, else (``srun python
+  train.py``) prints one line: this task, its step, its collective and its
+  innermost frame of user code. Call it before raising ``error`` on."""
+  if _state.failed is error or not (
+      collective or type(error).__name__ in COLLECTIVE_FAILURES):
+    return
+  _state.failed = error
+  reason = f"{type(error).__name__}: {summary(error, 200)}"
+  if os.environ.get(DIR_VARIABLE):
+    dump(reason)
+    return
+  records = list(_state.records)
+  last = max([r for r in records if r[_LEFT] is None] or records,
+             key=lambda r: r[_ENTERED], default=None)
+  where = _where(threading.main_thread()) or "no frame of user code"
+  print(f"tfdist: {_role()} at step {_state.step}, "
+        + (f"in {last[_KIND]} ({last[_TRANSPORT]}, {last[_PEERS]})"
+           if last else "in no collective")
+        + f", at {where.partition(': ')[0]}: {reason}",
+        file=sys.stderr, flush=True)
 
 
 def summary(error: BaseException, limit: int = 300) -> str:
@@ -166,6 +188,8 @@ def _role() -> str:
     task = {}
   if task.get("type") is not None:
     return f"{task['type']}:{task.get('index', 0)}"
+  if os.environ.get("SLURM_PROCID"):
+    return f"task:{os.environ['SLURM_PROCID']}"
   return f"pid-{os.getpid()}"
 
 
@@ -235,7 +259,7 @@ def _watch(directory: str, stall: float) -> None:
     asked = _request(directory)
     if asked > answered:
       answered = asked
-      dump("the launcher asked", request=asked)
+      dump(ASKED, request=asked)
     quiet = time.time() - _state.progress_at
     if stall and _state.stepped and quiet > stall:
       if stalled_at != _state.progress_at:

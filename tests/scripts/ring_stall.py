@@ -1,12 +1,13 @@
 """A task of a socket ring without TensorFlow; one task falls behind.
 
-Usage: ring_stall.py DIR --slow RANK --at STEP
+Usage: ring_stall.py DIR --slow RANK --at STEP [--extra RANK2]
 
 Run under tfdist launch: the ring's hosts and this task's rank come from
 TF_CONFIG, ports are published as files in DIR. Every task records its
 steps in the flight recorder (`tfdist._flight`) and all-reduces a small
 buffer each step; task RANK sleeps after step STEP (its `SLEEP_LINE`), so
 the others wait in the next step's all-reduce until the launcher stops them.
+Task RANK2 all-reduces one extra, smaller tensor after step STEP.
 """
 
 import argparse
@@ -24,6 +25,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("dir")
 parser.add_argument("--slow", type=int, default=-1)
 parser.add_argument("--at", type=int, default=5)
+parser.add_argument("--extra", type=int, default=-1)
 args = parser.parse_args()
 
 config = json.loads(os.environ["TF_CONFIG"])
@@ -40,3 +42,5 @@ for step in range(1, 1000):
   ring.all_reduce(np.ones(1024, np.float32), kind="gradient bucket 1/1")
   if rank == args.slow and step == args.at:
     time.sleep(600)  # SLEEP_LINE: the stall report names this line.
+  if rank == args.extra and step == args.at:
+    ring.all_reduce(np.ones(512, np.float32))

@@ -1,7 +1,7 @@
 """A Keras fit where one worker falls behind; run under tfdist launch.
 
 Usage: stall_job.py TRANSPORT TIMEOUT_S [--slow-worker K --at STEP]
-  [--epochs E]
+  [--epochs E] [--steps-per-execution N]
 
 Every worker builds MultiWorkerMirroredStrategy (``tfdist.make_strategy``)
 with TRANSPORT and a collective timeout of TIMEOUT_S, prints
@@ -9,7 +9,7 @@ with TRANSPORT and a collective timeout of TIMEOUT_S, prints
 epochs of 100 steps, printing ``{"trained": rank}`` after its first step.
 Worker K sleeps in a callback after step STEP (the line `SLEEP_LINE`
 names), far longer than the bound, so the others wait for it in the next
-step.
+step (with N steps per execution, STEP ends an execution).
 """
 
 import argparse
@@ -23,6 +23,7 @@ parser.add_argument("timeout_s", type=float)
 parser.add_argument("--slow-worker", type=int, default=-1)
 parser.add_argument("--at", type=int, default=5)
 parser.add_argument("--epochs", type=int, default=1)
+parser.add_argument("--steps-per-execution", type=int, default=1)
 args = parser.parse_args()
 
 import keras  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -58,7 +59,7 @@ with strategy.scope():
       keras.optimizers.SGD(0.1),
       perf.GradientOptions(transport=args.transport,
                            socket_timeout_seconds=args.timeout_s)),
-                loss="mse")
+                loss="mse", steps_per_execution=args.steps_per_execution)
 x = np.ones((800, 4), "float32")
 model.fit(x, np.zeros((800, 2), "float32"), batch_size=8, epochs=args.epochs,
           verbose=0, callbacks=[Slow()], shuffle=False)

@@ -112,8 +112,8 @@ class Launcher:
       make_dirs(spec.log_dir)
       self._flight = stall.Flight(
           log_dir=spec.log_dir, stall_seconds=spec.stall_seconds,
-          say=self._console.say, source=_SOURCE,
-          share=member.send if spec.node_rank else None)
+          say=self._console.say, source=_SOURCE, rank=spec.node_rank,
+          send=member.send if spec.nnodes > 1 else None)
       outcome = _Outcome(0, restart=0)
       while True:
         placed = member.join(attempt=outcome.restart, host=opened.host,
@@ -176,7 +176,7 @@ class Launcher:
       message = member.poll(timeout=0.1)
       if self._signal is not None:
         continue  # It came meanwhile: said at the loop's top.
-      self._flight.watch(self._pids(), self._tails())
+      self._flight.watch(self._pids(), self._tails(), message)
       if isinstance(message, rounds.Finish):
         bad = workers.finish_evaluator()
         workers.stop()
@@ -197,15 +197,15 @@ class Launcher:
       if t is not None:
         failed, code = True, t.proc.returncode
         dump = self._flight.lost_peer(t.role)
-        member.send(rounds.Failed(role=t.role, code=code,
-                                  attempt=placed.attempt,
-                                  peer_lost=dump is not None))
         self._console.failure(
             t.role, code, t.tail,
             restarting=placed.failures < placed.max_restarts)
-        if dump is not None:
+        if dump is not None:  # Asked before any node stops its tasks.
           self._flight.failed(t.role, code, dump, self._pids(),
                               self._tails())
+        member.send(rounds.Failed(role=t.role, code=code,
+                                  attempt=placed.attempt,
+                                  peer_lost=dump is not None))
         workers.stop()
       if not failed and not done and trainers and all(
           t.proc.poll() == 0 for t in trainers):
@@ -242,12 +242,12 @@ class Launcher:
     """SIGUSR2: the stall report, made by the round's loop."""
     del signum, frame
     if self._flight is not None:
-      self._flight.asked = True
+      self._flight.request()
 
   def _merge_report(self, rank: int, message: dict) -> None:
-    """Node 0: another node's stall report, said with this node's tasks."""
+    """Node 0: a node's answer to a stall report's ask."""
     if self._flight is not None:
-      self._flight.merge(rank, message, self._pids())
+      self._flight.merge(rank, message)
 
   def _pids(self) -> dict[str, int]:
     return self._workers.pids()

@@ -209,8 +209,8 @@ class Master:
       is warned about; ``None`` compares nothing.
     log: where it says that a stranger was turned away (once per address),
       that a node was refused or warned about.
-    on_report: ``on_report(rank, message)`` for a node's stall report
-      (`tfdist.launch.stall.Flight.merge`); ``None`` drops them.
+    on_report: ``on_report(rank, message)`` for a node's answer to a stall
+      report's ``ask`` (`tfdist.launch.stall.Flight.merge`); ``None`` drops.
 
   Raises:
     OSError: from the constructor, when the address cannot be listened on.
@@ -380,6 +380,9 @@ class Master:
           self._post(self._rounds.failed(rank, message))
         elif kind == "done":
           self._post(self._rounds.done(rank))
+        elif kind == "ask":  # A stall report: every node answers node 0.
+          self._post([(r, {**message, "nodes": sorted(self._members)})
+                      for r in self._members])
       if kind == "bye":
         self._lost(rank, channel, f"node {rank} left")
         return

@@ -95,10 +95,13 @@ _KINDS = {"cluster": Cluster, "stop": Stop, "lost": Stop, "error": Stop,
 
 
 def typed(message: Mapping[str, Any]) -> Any:
-  """A message as sent as its type (``None``: a beat, a report)."""
+  """A message as sent as its type; another (a stall report's ``ask``,
+  `tfdist.launch.stall`) as it is."""
   kind = _KINDS.get(message.get("kind"))
-  return kind and kind(**{f.name: message[f.name] for f in
-                          dataclasses.fields(kind) if f.name in message})
+  if kind is None:
+    return message
+  return kind(**{f.name: message[f.name] for f in dataclasses.fields(kind)
+                 if f.name in message})
 
 
 def wire(message: Any) -> dict:

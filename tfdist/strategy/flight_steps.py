@@ -40,9 +40,10 @@ class FlightSteps(keras.callbacks.Callback):
   """Records each training step of ``fit``.
 
   Put it first: its batch end comes before the user's callbacks, which are
-  no collective. It is safe for Keras's asynchronous batch ends (a batch's
-  end may then come after the next batch began): with those, a step is
-  left once its logs exist, when it truly ended.
+  no collective. A batch's end closes every step begun up to it: Keras
+  calls batch begin with the first step of an execution and batch end with
+  its last (``steps_per_execution``), and its asynchronous batch ends may
+  come after the next batch began.
   """
 
   async_safe = True  # Keras: this callback may run off the main thread.
@@ -67,9 +68,8 @@ class FlightSteps(keras.callbacks.Callback):
     self._open[batch] = _flight.enter("gradients", **self._about)
 
   def on_train_batch_end(self, batch, logs=None):
-    record = self._open.pop(batch, None)
-    if record is not None:
-      _flight.leave(record)
+    for begun in [b for b in self._open if b <= batch]:
+      _flight.leave(self._open.pop(begun))
     self._done = self._epoch_base + batch + 1
 
   def on_epoch_begin(self, epoch, logs=None):
