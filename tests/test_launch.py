@@ -298,21 +298,23 @@ class LaunchTest(parameterized.TestCase):
       self.assertNotIn(line, tail)
 
   @parameterized.named_parameters(
-      ("sigterm", signal.SIGTERM, signal.SIGTERM),
-      ("sigint", signal.SIGINT, signal.SIGINT),
-      # SLURM's --signal=USR1@N: tfdist's tasks save on it as on SIGTERM.
-      ("sigusr1", signal.SIGUSR1, signal.SIGUSR1),
+      ("sigterm", signal.SIGTERM, signal.SIGTERM, 128 + signal.SIGTERM),
+      ("sigint", signal.SIGINT, signal.SIGINT, 128 + signal.SIGINT),
+      # SLURM's --signal=USR1@N: tfdist's tasks save on it as on SIGTERM,
+      # and the launcher ends with their outcome (here: exited 0, finished),
+      # which the job script's requeue reads.
+      ("sigusr1", signal.SIGUSR1, signal.SIGUSR1, 0),
       # The terminal went away: the tasks are asked to save and stop.
-      ("sighup", signal.SIGHUP, signal.SIGTERM),
+      ("sighup", signal.SIGHUP, signal.SIGTERM, 128 + signal.SIGHUP),
   )
-  def test_signal_is_forwarded(self, sent, received):
+  def test_signal_is_forwarded(self, sent, received, exit_code):
     with tempfile.TemporaryDirectory() as d:
       with _launcher("--workers", "2", "--", sys.executable, TASK, "trap",
                      d) as launcher:
         pids = _wait_ready(self, launcher, 2)
         launcher.signal(0, sent)
         code = launcher.wait(0, 60)
-      self.assertEqual(code, 128 + sent, launcher.stdout(0))
+      self.assertEqual(code, exit_code, launcher.stdout(0))
       self.assertEqual(sorted(os.listdir(d)), ["worker:0", "worker:1"])
       for name in os.listdir(d):
         with open(os.path.join(d, name)) as f:
