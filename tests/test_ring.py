@@ -769,6 +769,31 @@ class SocketRingTest(_RingsTestCase):
     with self.assertRaisesRegex(tfdist.ConfigError, "out"):
       ring.all_reduce(np.ones(3, np.float32), out=np.ones(4, np.float32))
 
+  def test_the_rule_measures_the_link_and_every_rank_picks_alike(self):
+    sizes = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 16 << 20]
+    results = _on_each(self._rings(4), lambda r, ring: (
+        ring.all_reduce(_inputs(r, 10)), ring.link,
+        [ring.schedule_for(s) for s in sizes]))
+    assumed = dict(latency_s=socket_ring.DEFAULT_LATENCY_S,
+                   bytes_per_s=socket_ring.DEFAULT_BYTES_PER_S)
+    self.assertNotEqual(results[0][1], assumed)
+    for _, link, picks in results:
+      self.assertEqual(link, results[0][1])  # The same bits on every rank.
+      self.assertEqual(picks, [socket_ring.choose(4, s, **link)
+                               for s in sizes])
+
+  def test_a_measurement_over_its_time_falls_back_to_the_assumed_link(self):
+    with mock.patch.object(socket_ring, "_MEASURE_S", 0), self.assertLogs(
+        "absl", "WARNING") as logs:
+      results = _on_each(self._rings(3), lambda r, ring: (
+          ring.all_reduce(_inputs(r, 10)), ring.link))
+    for _, link in results:
+      self.assertEqual(link, dict(latency_s=socket_ring.DEFAULT_LATENCY_S,
+                                  bytes_per_s=socket_ring.DEFAULT_BYTES_PER_S))
+    failed = [m for m in logs.output if "measuring the link" in m]
+    self.assertLen(failed, 3)  # One line a rank, naming the hops.
+    self.assertIn("worker:2 -> worker:0, worker:0 -> worker:1", failed[0])
+
   def test_one_rank_returns_a_copy(self):
     ring, = self._rings(1)
     data = np.arange(4, dtype=np.float32)
@@ -970,7 +995,7 @@ class HalvingRingTest(_RingsTestCase):
     np.testing.assert_allclose(
         results[0], sum(_inputs(r, data_bytes // 4).astype(np.float64)
                         for r in range(8)), rtol=0, atol=1e-5)
-    self.assertFalse(rings[0].connected)  # Partners', not the ring's.
+    self.assertTrue(rings[0].connected)  # The rule measured its link.
 
   def test_a_new_schedule_is_one_module_and_one_row(self):
     with mock.patch.dict(socket_ring.SCHEDULES, two_only=_TwoOnly):

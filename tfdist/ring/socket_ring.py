@@ -18,9 +18,9 @@ segments (`tfdist.ring.schedule`): each process sends and receives
   all-reduce of a few values takes about two round trips.
 * **Schedules** (`SCHEDULES`, one module each, a pure plan of which
   blocks go to and come from which peer at each step; `SocketRing` alone
-  carries plans out, `_run`): `choose` picks, by the
-  alpha-beta model of each, the one of least time for a call's size and
-  the ring's. With float32 on the wire, small buffers take recursive
+  carries plans out, `_run`): `choose` picks, by the alpha-beta model of
+  each over the link the ring measured as it connected
+  (`SocketRing.link`), the one of least time for a call's size. With float32 on the wire, small buffers take recursive
   doubling (`tfdist.ring.doubling`, ``log2 n`` exchanges of the whole
   buffer) and, from 4 ranks, middle and large ones recursive halving and
   doubling (`tfdist.ring.halving`, ``2 log2 n`` exchanges moving the
@@ -112,21 +112,23 @@ DEFAULT_BLOCK_BYTES = 512 << 10
 #: do not.
 SCHEDULES = {m.NAME: m for m in (doubling, halving, ring_schedule)}
 
-#: The link `choose` assumes by default: the slowest tfdist is measured on
-#: (1 Gbit/s: 0.95 of the line, as the bed's streams moved) and what one
-#: message costs a schedule over it, in Python at both ends: a small token
-#: crosses a hop of the bed in 13-28 us, but a schedule's step also encodes,
-#: checks a header and adds; two hosts of the bed, each with a core, took
-#: 73 us a ring step and 98 us a doubling exchange at 4 KiB
-#: (`tfdist.bench.schedules`, docs/benchmarks.md "Many hosts"). With 30 us
-#: the rule took halving from 8 KiB at 8 hosts, where doubling measured
-#: 1.6-1.9x faster. A faster link moves every crossover to larger buffers,
-#: so the picks stay on the safe side there and leave some gain unused.
+#: The fallback link `choose` assumes where it was not measured
+#: (`SocketRing.link`): the slowest tfdist is measured on (1 Gbit/s: 0.95
+#: of the line, as the bed's streams moved) and what one message costs a
+#: schedule over it, in Python at both ends: a small token crosses a hop
+#: of the bed in 13-28 us, but a schedule's step also encodes, checks a
+#: header and adds; two hosts of the bed, each with a core, took 73 us a
+#: ring step and 98 us a doubling exchange at 4 KiB
+#: (`tfdist.bench.schedules`, docs/benchmarks.md "Many hosts").
 DEFAULT_BYTES_PER_S = 0.95 * 125e6
 DEFAULT_LATENCY_S = 100e-6
 #: Another schedule must beat the ring's model time by more than rounding:
 #: a tie keeps the ring, which needs no connections of its own.
 _TIE = 1e-9
+#: What a ring times when it connects (`SocketRing.link`): (bytes, times)
+#: of small then large exchanges; figures that took longer are dropped.
+_PROBES = ((8, 20), (1 << 20, 3))
+_MEASURE_S = 1.0
 
 _warned_unauthenticated = False
 
@@ -269,6 +271,8 @@ class SocketRing:
                         expected=f"one that carries {len(hosts)} hosts: "
                         f"{[n for n in SCHEDULES if _carries(n, len(hosts))]}")
     self._forced = schedule
+    self._link_figures = dict(latency_s=DEFAULT_LATENCY_S,
+                              bytes_per_s=DEFAULT_BYTES_PER_S)
     self._pairs: dict[int, SocketRing] = {}
     self._ports_text = ports
     self._ports = connection.ring_ports(ports, source=source)
@@ -314,13 +318,21 @@ class SocketRing:
     """
     forced = self._forced
     if forced is None or not nbytes:
-      return choose(self.size, nbytes, wire)
+      return choose(self.size, nbytes, wire, **self._link_figures)
     if wire not in SCHEDULES[forced].WIRES:
       raise ConfigError(
           field="schedule", value=forced, source=self._source,
           expected=f"one that carries wire={wire!r}: "
                    f"{[n for n in SCHEDULES if _carries(n, self.size, wire)]}")
     return forced
+
+  @property
+  def link(self) -> dict[str, float]:
+    """The figures `choose` takes for this ring (``latency_s``,
+    ``bytes_per_s``): measured when a ring of the rule (no ``schedule``)
+    connects, the same on every rank; the defaults until then, or where
+    the measuring failed (logged, naming the hops)."""
+    return dict(self._link_figures)
 
   @property
   def calls(self) -> int:
@@ -388,6 +400,45 @@ class SocketRing:
                                right_rank=members.right,
                                timeout_s=self._timeout_s, seal=seal,
                                threaded_bytes=self._threaded_bytes)
+    if self._forced is None:
+      try:
+        self._measure()
+      except exchange.PeerLost as e:
+        self._fail(WorkerLostError(
+            f"socket transport: {members.me} lost "
+            f"{members.describe(e.rank)} measuring the link: {e.what}"))
+
+  def _measure(self) -> None:
+    """Times the ring's steps (all ranks at once, `_PROBES`); every rank
+    gets every rank's figures (an all-gather) and takes the slowest."""
+    start, times = time.monotonic(), []
+    for nbytes, repeats in _PROBES:
+      sent, got = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+      took = []
+      for _ in range(repeats):
+        t = time.perf_counter()
+        self._link.exchange([lambda: sent], [(got, None, -1)])
+        took.append(time.perf_counter() - t)
+      times.append(min(took))
+    (small, large), (t_small, t_large) = [p[0] for p in _PROBES], times
+    n, r = self.size, self.rank
+    figures = np.full((n, 2), np.nan)
+    if time.monotonic() - start < _MEASURE_S and t_large > t_small:
+      figures[r] = t_small, (t_large - t_small) / (large - small)
+    for s in range(n - 1):  # Rank r passes on what it has of rank r - s.
+      self._link.exchange([lambda i=(r - s) % n: as_bytes(figures[i])],
+                          [(as_bytes(figures[(r - s - 1) % n]), None, -1)])
+    failed = np.isnan(figures[:, 0])
+    if failed.any():
+      names = self._members.names
+      logging.warning(
+          "socket transport: measuring the link failed or took over %s s "
+          "on the hop(s) %s; the schedules are chosen for the assumed link",
+          _MEASURE_S, ", ".join(f"{names[(i - 1) % n]} -> {names[i]}"
+                                for i in np.flatnonzero(failed)))
+      return
+    self._link_figures = dict(latency_s=float(figures[:, 0].max()),
+                              bytes_per_s=float(1 / figures[:, 1].max()))
 
   def _warn_unauthenticated(self) -> None:
     global _warned_unauthenticated
@@ -478,10 +529,12 @@ class SocketRing:
           if a.ctypes.data != b.ctypes.data:
             np.copyto(b, a)
         return
-      name = self.schedule_for(x.size * 4, wire)
       with self._recorded(kind, wire, x.size):
+        if self._forced is None:
+          self._connect_locked()  # Measures the link the rule takes.
         if self._failure is not None:
           raise self._failure
+        name = self.schedule_for(x.size * 4, wire)
         self._run(SCHEDULES[name].plan(self.rank, self.size, x.size), x,
                   out, wire, tag, "all-reduce")
 
@@ -616,7 +669,7 @@ class SocketRing:
           source=self._source, secret=self._secret,
           ports=self._ports_text,
           authenticate_values=self._authenticate_values,
-          threaded_bytes=self._threaded_bytes)
+          threaded_bytes=self._threaded_bytes, schedule="ring")  # Unmeasured.
       self._pairs[partner] = pair
     return pair
 
