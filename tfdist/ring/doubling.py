@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import functools
 
-from tfdist.ring.schedule import NONE
 from tfdist.ring.schedule import Step
+from tfdist.ring.schedule import folded
 
 __all__ = ["NAME", "WIRES", "CAP_BYTES", "plan", "exchanges", "seconds"]
 
@@ -58,23 +58,14 @@ WIRES = ("float32",)
 #: above this.
 CAP_BYTES = 32 << 10
 
+
 @functools.lru_cache(maxsize=256)
 def plan(rank: int, size: int, length: int) -> tuple[Step, ...]:
   """The steps of ``rank`` (by partner); none for a single rank."""
-  m = 1 << (size.bit_length() - 1)
   whole = (0, length)
-  if rank >= m:  # An extra rank: hand over, then take the total.
-    return (Step(rank - m, whole, None, NONE, True),
-            Step(None, NONE, rank - m, whole, False))
-  extra = rank + m if rank + m < size else None
-  out = [Step(None, NONE, extra, whole, True)] if extra is not None else []
-  bit = 1
-  while bit < m:
-    out.append(Step(rank ^ bit, whole, rank ^ bit, whole, True))
-    bit <<= 1
-  if extra is not None:
-    out.append(Step(extra, whole, None, NONE, False))
-  return tuple(out)
+  return folded(rank, size, length, lambda m: [
+      Step(rank ^ (1 << k), whole, rank ^ (1 << k), whole, True)
+      for k in range(m.bit_length() - 1)])
 
 
 def exchanges(size: int) -> int:

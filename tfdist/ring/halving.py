@@ -43,9 +43,9 @@ from __future__ import annotations
 
 import functools
 
-from tfdist.ring.schedule import NONE
 from tfdist.ring.schedule import Span
 from tfdist.ring.schedule import Step
+from tfdist.ring.schedule import folded
 
 __all__ = ["NAME", "WIRES", "CAP_BYTES", "plan", "seconds"]
 
@@ -68,33 +68,24 @@ CAP_BYTES = 1 << 20
 @functools.lru_cache(maxsize=256)
 def plan(rank: int, size: int, length: int) -> tuple[Step, ...]:
   """The steps of ``rank`` (by partner); none for a single rank."""
-  m = 1 << (size.bit_length() - 1)
-  whole = (0, length)
-  if rank >= m:  # An extra rank: hand over, then take the total.
-    return (Step(rank - m, whole, None, NONE, True),
-            Step(None, NONE, rank - m, whole, False))
-  bounds = [i * length // m for i in range(m + 1)]
 
-  def held(r: int, ranks: int) -> Span:
-    """The segments of the ``ranks`` ranks of ``r``'s group (aligned)."""
-    base = r & ~(ranks - 1)
-    return bounds[base], bounds[base + ranks]
+  def core(m: int) -> list[Step]:
+    bounds = [i * length // m for i in range(m + 1)]
 
-  extra = rank + m if rank + m < size else None
-  out = [Step(None, NONE, extra, whole, True)] if extra is not None else []
-  bit = m >> 1
-  while bit:  # Halving: keep the half of this rank's group of bit ranks.
-    p = rank ^ bit
-    out.append(Step(p, held(p, bit), p, held(rank, bit), True))
-    bit >>= 1
-  bit = 1
-  while bit < m:  # Doubling: swap what the two groups of bit ranks hold.
-    p = rank ^ bit
-    out.append(Step(p, held(rank, bit), p, held(p, bit), False))
-    bit <<= 1
-  if extra is not None:
-    out.append(Step(extra, whole, None, NONE, False))
-  return tuple(out)
+    def held(r: int, ranks: int) -> Span:
+      """The segments of the ``ranks`` ranks of ``r``'s group (aligned)."""
+      base = r & ~(ranks - 1)
+      return bounds[base], bounds[base + ranks]
+
+    bits = [1 << k for k in range(m.bit_length() - 1)]
+    # Halving keeps the half of this rank's group of bit ranks; doubling
+    # swaps what the two groups of bit ranks hold.
+    return ([Step(rank ^ b, held(rank ^ b, b), rank ^ b, held(rank, b), True)
+             for b in reversed(bits)]
+            + [Step(rank ^ b, held(rank, b), rank ^ b, held(rank ^ b, b),
+                    False) for b in bits])
+
+  return folded(rank, size, length, core)
 
 
 def seconds(size: int, nbytes: float, *, latency_s: float,

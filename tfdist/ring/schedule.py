@@ -1,7 +1,7 @@
 """The ring schedule, and the `Step` every schedule's plan is made of.
 
 A schedule is a pure plan: ``plan(rank, size, length)`` gives one rank's
-`Step`\\ s of an all-reduce of ``length`` elements over ``size`` ranks, no
+steps (`Step`) of an all-reduce of ``length`` elements over ``size`` ranks, no
 sockets, so every plan can be run on paper (tests/test_ring.py simulates
 them all). `tfdist.ring.socket_ring.SocketRing` alone carries plans out:
 headers, numbering, failures, connections, blocks and wire dtypes.
@@ -37,12 +37,12 @@ Example::
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from tfdist.ring.wire import WIRE_DTYPES
 
 __all__ = ["NAME", "WIRES", "CAP_BYTES", "Span", "Step", "NONE", "segments",
-           "blocks", "along", "sources", "seconds", "plan"]
+           "blocks", "along", "sources", "folded", "seconds", "plan"]
 
 #: Its name in `tfdist.ring.socket_ring.SCHEDULES`.
 NAME = "ring"
@@ -103,6 +103,22 @@ def sources(steps: tuple[Step, ...]) -> tuple[tuple[bool, bool], ...]:
                      for lo, hi in (step.send, step.recv)))
     written.append(step.recv)
   return tuple(got)
+
+
+def folded(rank: int, size: int, length: int,
+           core: Callable[[int], list[Step]]) -> tuple[Step, ...]:
+  """A plan by partner for any ``size`` from ``core(m)``, the steps of
+  ``rank`` among ``m``, the largest power of two in ``size``: each extra
+  rank ``e >= m`` first hands its buffer to ``e - m`` (which adds it) and
+  at the end takes the total from it."""
+  m, whole = 1 << (size.bit_length() - 1), (0, length)
+  if rank >= m:
+    return (Step(rank - m, whole, None, NONE, True),
+            Step(None, NONE, rank - m, whole, False))
+  if rank + m >= size:
+    return tuple(core(m))
+  return (Step(None, NONE, rank + m, whole, True), *core(m),
+          Step(rank + m, whole, None, NONE, False))
 
 
 def seconds(size: int, nbytes: float, *, latency_s: float,
