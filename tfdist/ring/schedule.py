@@ -93,7 +93,6 @@ def along(steps: tuple[Step, ...], rank: int, size: int) -> bool:
              and s.source in (None, (rank - 1) % size) for s in steps)
 
 
-@functools.lru_cache(maxsize=256)
 def sources(steps: tuple[Step, ...]) -> tuple[tuple[bool, bool], ...]:
   """Whether each step's ``send`` and ``recv`` are still untouched (read
   from the input; else from the output, where earlier steps received)."""

@@ -71,7 +71,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from absl import logging
 import numpy as np
@@ -175,6 +175,26 @@ def _carries(name: str, size: int, wire: str | None = None) -> bool:
   except ValueError:
     return False
   return wire is None or wire in SCHEDULES[name].WIRES
+
+
+class _Plan(NamedTuple):
+  """A rank's plan and what `SocketRing._moves` derives from it."""
+  steps: tuple[Step, ...]
+  along: bool  # `tfdist.ring.schedule.along`
+  sources: tuple[tuple[bool, bool], ...]  # `tfdist.ring.schedule.sources`
+  longest: int  # The longest span, in elements.
+
+
+def _prepared(steps: tuple[Step, ...], rank: int, size: int) -> _Plan:
+  return _Plan(steps, ring_schedule.along(steps, rank, size),
+               ring_schedule.sources(steps),
+               max([hi - lo for s in steps for lo, hi in (s.send, s.recv)],
+                   default=0))
+
+
+@functools.lru_cache(maxsize=256)  # A training step's lengths recur.
+def _planned(name: str, rank: int, size: int, length: int) -> _Plan:
+  return _prepared(SCHEDULES[name].plan(rank, size, length), rank, size)
 
 
 def _apart(xs: list[np.ndarray], outs: list[np.ndarray]) -> list[np.ndarray]:
@@ -535,7 +555,7 @@ class SocketRing:
         if self._failure is not None:
           raise self._failure
         name = self.schedule_for(x.size * 4, wire)
-        self._run(SCHEDULES[name].plan(self.rank, self.size, x.size), x,
+        self._run(_planned(name, self.rank, self.size, x.size), x,
                   out, wire, tag, "all-reduce")
 
   def _recorded(self, kind: str, wire: str, size: int):
@@ -571,19 +591,20 @@ class SocketRing:
         return
       with self._recorded("exchange", "float32", data.size):
         span = (0, data.size)
-        self._run((Step(self._members.right, span, self._members.left, span,
-                        False),), pieces.Pieces([data.reshape(-1)]),
+        self._run(_prepared((Step(self._members.right, span,
+                                  self._members.left, span, False),),
+                            self.rank, self.size), pieces.Pieces([data.reshape(-1)]),
                   pieces.Pieces([out.reshape(-1)]), "float32", tag,
                   "exchange")
 
-  def _run(self, steps: tuple[Step, ...], x: pieces.Pieces,
+  def _run(self, plan: _Plan, x: pieces.Pieces,
            out: pieces.Pieces, wire: str, tag: int, what: str) -> None:
     """Carries out one rank's plan (`tfdist.ring.schedule`) as one call:
     along the ring, over the neighbours' connections with one header; by
     partner, each step one call on that partner's ring of two (`_pair`),
     where a partner's failure closes this ring and every partner's."""
-    moves = self._moves(steps, x, out, wire)
-    if ring_schedule.along(steps, self.rank, self.size):
+    moves = self._moves(plan, x, out, wire)
+    if plan.along:
       self._call_locked(what, x.size, wire, tag,
                         ((sends, recvs) for _, sends, recvs in moves))
       return
@@ -601,7 +622,7 @@ class SocketRing:
       self._close_locked()
       raise
 
-  def _moves(self, steps: tuple[Step, ...], x: pieces.Pieces,
+  def _moves(self, plan: _Plan, x: pieces.Pieces,
              out: pieces.Pieces, wire: str
              ) -> Iterator[tuple[int, list, list]]:
     """Each step's ``(peer, sends, recvs)`` for `exchange.Link.exchange`,
@@ -615,30 +636,30 @@ class SocketRing:
     step and sent at the next is forwarded as it came.
     """
     compressed, block = wire != "float32", self._block
-    bufs = self._wire(wire, max(
-        [hi - lo for s in steps for lo, hi in (s.send, s.recv)], default=0))
+    bufs = self._wire(wire, plan.longest)
     previous = None
     for k, (step, (send_x, add_x)) in enumerate(
-        zip(steps, ring_schedule.sources(steps))):
+        zip(plan.steps, plan.sources)):
       send_buf, recv_buf = bufs[(k + 1) % 2], bufs[k % 2]
       src, base = x if send_x else out, x if add_x else out
       (slo, shi), (rlo, rhi) = step.send, step.recv
       forward = (compressed and previous is not None and not previous.add
                  and previous.recv == step.send)
+      overlap = slo < rhi and rlo < shi  # Adds wait for what they overwrite.
       sends, ends = [], []
       for lo, hi in blocks(step.send, block):
-        part = send_buf[lo - slo:hi - slo]
         if forward:
-          sends.append(functools.partial(as_bytes, part))
+          sends.append(functools.partial(as_bytes,
+                                         send_buf[lo - slo:hi - slo]))
         elif compressed:
           sends.append(functools.partial(
-              _encode, src.views(lo, hi), part,
+              _encode, src.views(lo, hi), send_buf[lo - slo:hi - slo],
               None if step.add else out.views(lo, hi)))
         else:
           sends.extend(functools.partial(as_bytes, v)
                        for _, v in src.views(lo, hi))
-        ends.append((lo, hi, len(sends) - 1))
-      overlap = slo < rhi and rlo < shi  # Adds wait for what they overwrite.
+        if overlap:
+          ends.append((lo, hi, len(sends) - 1))
       recvs = []
       for lo, hi in blocks(step.recv, block):
         if not (compressed or step.add):
