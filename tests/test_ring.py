@@ -1,10 +1,10 @@
 """The socket ring, tfdist.ring: each seam alone, then `SocketRing`.
 
 Every schedule's plan is checked without sockets, by simulating whole
-all-reduces in memory from it alone; the wire format by its bytes; the connection and the
-exchange over loopback sockets; `tfdist.perf.SocketRing` by rings of threads
-in this process, quickly, for the algorithm and its failures
-(tests/test_transport.py runs it under TensorFlow on real clusters).
+all-reduces in memory from it alone; the wire format by its bytes; the
+connection and the exchange over loopback sockets; `tfdist.perf.SocketRing`
+by rings of threads in this process, quickly, for the algorithm and its
+failures (tests/test_transport.py runs it under TensorFlow on real clusters).
 """
 
 import collections

@@ -20,11 +20,12 @@ segments (`tfdist.ring.schedule`): each process sends and receives
   blocks go to and come from which peer at each step; `SocketRing` alone
   carries plans out, `_run`): `choose` picks, by the alpha-beta model of
   each over the link the ring measured as it connected
-  (`SocketRing.link`), the one of least time for a call's size. With float32 on the wire, small buffers take recursive
-  doubling (`tfdist.ring.doubling`, ``log2 n`` exchanges of the whole
-  buffer) and, from 4 ranks, middle and large ones recursive halving and
-  doubling (`tfdist.ring.halving`, ``2 log2 n`` exchanges moving the
-  ring's bytes), where the ring's ``2 (n - 1)`` steps would cost more.
+  (`SocketRing.link`), the one of least time for a call's size. With
+  float32 on the wire, small buffers take recursive doubling
+  (`tfdist.ring.doubling`, ``log2 n`` exchanges of the whole buffer) and,
+  from 4 ranks, middle and large ones recursive halving and doubling
+  (`tfdist.ring.halving`, ``2 log2 n`` exchanges moving the ring's
+  bytes), where the ring's ``2 (n - 1)`` steps would cost more.
   ``schedule=`` forces one (benchmarks).
 * **In place**: ``out=data`` sums into the input (no output buffer; what
   the TensorFlow glue does with its packed gradients).
@@ -590,12 +591,11 @@ class SocketRing:
         np.copyto(out.reshape(-1), data.reshape(-1))
         return
       with self._recorded("exchange", "float32", data.size):
-        span = (0, data.size)
-        self._run(_prepared((Step(self._members.right, span,
-                                  self._members.left, span, False),),
-                            self.rank, self.size), pieces.Pieces([data.reshape(-1)]),
-                  pieces.Pieces([out.reshape(-1)]), "float32", tag,
-                  "exchange")
+        span, m = (0, data.size), self._members
+        step = Step(m.right, span, m.left, span, False)
+        self._run(_prepared((step,), self.rank, self.size),
+                  pieces.Pieces([data.reshape(-1)]),
+                  pieces.Pieces([out.reshape(-1)]), "float32", tag, "exchange")
 
   def _run(self, plan: _Plan, x: pieces.Pieces,
            out: pieces.Pieces, wire: str, tag: int, what: str) -> None:
