@@ -1,12 +1,13 @@
 """The socket ring, tfdist.ring: each seam alone, then `SocketRing`.
 
-The schedule is checked without sockets, by simulating whole all-reduces in
-memory from it alone; the wire format by its bytes; the connection and the
-exchange over loopback sockets; `tfdist.perf.SocketRing` by rings of threads
-in this process, quickly, for the algorithm and its failures
-(tests/test_transport.py runs it under TensorFlow on real clusters).
+Every schedule's plan is checked without sockets, by simulating whole
+all-reduces in memory from it alone; the wire format by its bytes; the
+connection and the exchange over loopback sockets; `tfdist.perf.SocketRing`
+by rings of threads in this process, quickly, for the algorithm and its
+failures (tests/test_transport.py runs it under TensorFlow on real clusters).
 """
 
+import collections
 import itertools
 import socket
 import struct
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -24,7 +26,6 @@ import stalls
 import tfdist
 from tfdist import perf
 from tfdist.ring import connection
-from tfdist.ring import doubling
 from tfdist.ring import exchange
 from tfdist.ring import halving
 from tfdist.ring import pieces
@@ -103,109 +104,113 @@ def _inputs(rank, size):
       np.float32)
 
 
-# The schedule.
+# The plans.
 
 
-def _simulate(inputs, block, in_place):
-  """A whole all-reduce of ``inputs`` (one per rank) from the schedule alone.
+def _simulate(name, inputs, in_place):
+  """A whole all-reduce of ``inputs`` (one per rank) by the plan of schedule
+  ``name`` alone, without sockets.
 
-  Every step, each rank reads what it sends, block by block, before any
-  rank writes what it receives; that order is safe only because a rank's
-  send and receive spans of a step are disjoint, which is checked.
+  Each rank takes its steps in order: a step sends a copy of its values of
+  ``send``, then waits for its message from ``source`` and adds or stores
+  it. A span is read where `SocketRing` reads it
+  (`schedule.sources`): not in place, the outputs start as garbage, so a
+  plan that reads a span from the wrong buffer fails. Asserts the plans'
+  rules on the way (see `tfdist.ring.schedule`).
 
   Returns:
-    Each rank's output, and each rank's output after the reduce-scatter.
+    Each rank's output.
   """
   size, length = len(inputs), inputs[0].size
+  plans = [socket_ring.SCHEDULES[name].plan(r, size, length)
+           for r in range(size)]
+  along = {schedule.along(p, r, size) for r, p in enumerate(plans)}
+  assert len(along) == 1, (name, size, "ranks disagree: ring or pairs")
+  if along == {True}:  # In step: one header, then every step together.
+    assert len({len(p) for p in plans}) == 1, plans
   xs = [x.copy() for x in inputs]
-  outs = xs if in_place else [np.full(length, -7, x.dtype) for x in xs]
-  owned = []
-  for phase in (schedule.reduce_scatter, schedule.all_gather):
-    steps = [phase(r, size, length) for r in range(size)]
-    for s in range(size - 1):
-      sent = []
-      for r in range(size):
-        (slo, shi), (rlo, rhi) = steps[r][s].send, steps[r][s].recv
-        assert shi <= rlo or rhi <= slo or slo == shi or rlo == rhi, (
-            r, s, steps[r][s])
-        src = xs[r] if phase is schedule.reduce_scatter and s == 0 else outs[r]
-        sent.append([src[lo:hi].copy()
-                     for lo, hi in schedule.blocks(steps[r][s].send, block)])
-      for r in range(size):
-        got = sent[(r - 1) % size]
-        spans = schedule.blocks(steps[r][s].recv, block)
-        assert [b.size for b in got] == [hi - lo for lo, hi in spans]
-        for (lo, hi), values in zip(spans, got):
-          if phase is schedule.reduce_scatter:
-            np.add(xs[r][lo:hi], values, out=outs[r][lo:hi])
-          else:
-            outs[r][lo:hi] = values
-    if phase is schedule.reduce_scatter:
-      owned = [out.copy() for out in outs]
-  return outs, owned
+  outs = xs if in_place or size == 1 else [  # One rank: `SocketRing` copies.
+      np.full(length, -7, x.dtype) for x in xs]
+  channels = collections.defaultdict(collections.deque)  # (from, to)
+  calls = collections.Counter()  # (rank, partner): steps together
+  done, sent = [0] * size, [False] * size
+  moved = True
+  while moved:
+    moved = False
+    for r in range(size):
+      if done[r] == len(plans[r]):
+        continue
+      step = plans[r][done[r]]
+      send_x, add_x = schedule.sources(plans[r])[done[r]]
+      (slo, shi), (rlo, rhi) = step.send, step.recv
+      assert step.add or shi <= rlo or rhi <= slo, step  # Only adds overlap.
+      if not sent[r] and step.to is not None:
+        channels[r, step.to].append((xs if send_x else outs)[r][slo:shi]
+                                    .copy())
+      sent[r] = True
+      if step.source is not None:
+        if not channels[step.source, r]:
+          continue
+        values = channels[step.source, r].popleft()
+        assert values.size == rhi - rlo, (name, r, step, values.size)
+        outs[r][rlo:rhi] = ((xs if add_x else outs)[r][rlo:rhi] + values
+                            if step.add else values)
+      if along == {False}:  # A call on the pair's connections.
+        assert None in (step.to, step.source) or step.to == step.source
+        calls[r, step.source if step.to is None else step.to] += 1
+      done[r], sent[r], moved = done[r] + 1, False, True
+  assert done == [len(p) for p in plans], (name, done, plans)
+  assert not any(channels.values()), "a message nobody received"
+  for (r, q), n in calls.items():
+    assert calls[q, r] == n, (name, r, q, "calls differ")
+  return outs
 
 
-class ScheduleTest(parameterized.TestCase):
+class PlanTest(parameterized.TestCase):
+  """Every schedule's plan (`tfdist.ring.schedule`), run on paper."""
 
-  @parameterized.product(size=[1, 2, 3, 4, 5],
-                         length=[0, 1, 2, 3, 4, 5, 7, 13, 1000])
+  @parameterized.product(name=list(socket_ring.SCHEDULES),
+                         size=list(range(1, 18)), in_place=[False, True])
+  def test_every_plan_sums_exactly_on_every_rank(self, name, size, in_place):
+    for length in sorted({0, 1, 2, size - 1, size, 7, 64, 1000 + size}):
+      rng = np.random.default_rng([size, length])
+      inputs = [rng.integers(-1000, 1000, length) for _ in range(size)]
+      for out in _simulate(name, inputs, in_place):
+        np.testing.assert_array_equal(out, sum(inputs), f"{length}")
+
+  @parameterized.product(name=list(socket_ring.SCHEDULES),
+                         size=[2, 3, 4, 5, 8, 13])
+  def test_float32_sums_have_the_same_bits_on_every_rank(self, name, size):
+    inputs = [_inputs(r, 1003) for r in range(size)]
+    outs = _simulate(name, inputs, in_place=False)
+    for out in outs[1:]:
+      np.testing.assert_array_equal(out, outs[0])
+    np.testing.assert_allclose(outs[0], sum(x.astype(np.float64)
+                                            for x in inputs), atol=1e-5 * size)
+
+  @parameterized.product(name=list(socket_ring.SCHEDULES),
+                         size=list(range(1, 18)))
+  def test_the_model_charges_the_longest_ranks_steps(self, name, size):
+    # A step costs one latency and the larger of what it sends and
+    # receives; the model is the rank with the most (divisible lengths).
+    length = 720720 * 17
+    module = socket_ring.SCHEDULES[name]
+    charged = max(sum(1 + max(s.send[1] - s.send[0], s.recv[1] - s.recv[0])
+                      for s in module.plan(r, size, length))
+                  for r in range(size))
+    self.assertAlmostEqual(
+        module.seconds(size, 4 * length, latency_s=1, bytes_per_s=4),
+        charged, delta=1e-9 * charged)
+
+  @parameterized.product(size=[1, 2, 3, 4, 5], length=[0, 1, 4, 7, 1000])
   def test_segments_cover_the_buffer_once(self, size, length):
     segs = schedule.segments(length, size)
     self.assertLen(segs, size)
-    self.assertEqual(segs[0][0], 0)
-    self.assertEqual(segs[-1][1], length)
+    self.assertEqual((segs[0][0], segs[-1][1]), (0, length))
     for (_, hi), (lo, _) in zip(segs, segs[1:]):
       self.assertEqual(hi, lo)  # Contiguous: no gap, no overlap.
     lengths = [hi - lo for lo, hi in segs]
     self.assertLessEqual(max(lengths) - min(lengths), 1)
-    self.assertLessEqual(max(lengths),
-                         schedule.segment_capacity(length, size))
-
-  @parameterized.product(size=[2, 3, 4, 5], length=[0, 3, 4, 11])
-  def test_what_a_rank_sends_its_right_neighbour_receives(self, size, length):
-    for phase in (schedule.reduce_scatter, schedule.all_gather):
-      steps = [phase(r, size, length) for r in range(size)]
-      for r in range(size):
-        self.assertLen(steps[r], size - 1)
-        for s in range(size - 1):
-          self.assertEqual(steps[r][s].send, steps[(r + 1) % size][s].recv)
-
-  @parameterized.parameters(2, 3, 4, 5)
-  def test_each_rank_receives_every_other_segment_once_per_phase(self, size):
-    length = 10 * size + 3
-    segs = schedule.segments(length, size)
-    for r in range(size):
-      scatter = schedule.reduce_scatter(r, size, length)
-      gather = schedule.all_gather(r, size, length)
-      owned = schedule.owned(r, size, length)
-      self.assertEqual(scatter[0].send, segs[r])  # Its own input first.
-      self.assertCountEqual([t.recv for t in scatter],
-                            [g for i, g in enumerate(segs) if i != r])
-      self.assertEqual(scatter[-1].recv, owned)  # The last sum completes it.
-      self.assertEqual(gather[0].send, owned)
-      self.assertCountEqual([t.recv for t in gather],
-                            [g for g in segs if g != owned])
-
-  @parameterized.product(
-      size=[2, 3, 4, 5],
-      length=[0, 1, 2, 3, 4, 5, 6, 7, 17, 1003],  # Uneven; below the size.
-      block=[1, 3, 1000],
-      in_place=[False, True])
-  def test_simulated_all_reduce_sums_on_every_rank(self, size, length, block,
-                                                   in_place):
-    rng = np.random.default_rng([size, length])
-    inputs = [rng.integers(-1000, 1000, length) for _ in range(size)]
-    expected = sum(inputs)
-    outs, after_scatter = _simulate(inputs, block, in_place)
-    for r in range(size):
-      np.testing.assert_array_equal(outs[r], expected)
-      lo, hi = schedule.owned(r, size, length)
-      np.testing.assert_array_equal(after_scatter[r][lo:hi], expected[lo:hi])
-
-  def test_one_rank_has_no_steps(self):
-    self.assertEqual(schedule.reduce_scatter(0, 1, 10), ())
-    self.assertEqual(schedule.all_gather(0, 1, 10), ())
-    self.assertEqual(schedule.owned(0, 1, 10), (0, 10))
 
   @parameterized.named_parameters(
       ("empty", (5, 5), 4, []),
@@ -217,197 +222,29 @@ class ScheduleTest(parameterized.TestCase):
   def test_blocks_cut_a_span_in_order(self, span, block, expected):
     self.assertEqual(schedule.blocks(span, block), expected)
 
-
-# The wire format.
-
-
-def _simulate_doubling(inputs):
-  """A whole recursive-doubling all-reduce of ``inputs`` from its steps.
-
-  Each round, every rank whose next step names a partner whose next step
-  names it back swaps buffers with it (both read before either writes).
-
-  Returns:
-    Each rank's output.
-  """
-  size = len(inputs)
-  bufs = [x.copy() for x in inputs]
-  plans = [doubling.steps(r, size) for r in range(size)]
-  done = [0] * size
-  for _ in range(4 * size):  # Far more rounds than any schedule needs.
-    for r in range(size):
-      if done[r] == len(plans[r]):
-        continue
-      mine = plans[r][done[r]]
-      q = mine.partner
-      if done[q] == len(plans[q]) or plans[q][done[q]].partner != r:
-        continue
-      theirs = plans[q][done[q]]
-      sent = {r: bufs[r].copy(), q: bufs[q].copy()}
-      for me, other, step in ((r, q, mine), (q, r, theirs)):
-        if step.kind == doubling.ADD:
-          bufs[me] = bufs[me] + sent[other]
-        elif step.kind == doubling.TAKE:
-          bufs[me] = sent[other]
-      done[r] += 1
-      done[q] += 1
-  assert done == [len(p) for p in plans], (done, plans)
-  return bufs
+  @parameterized.parameters(2, 3, 4, 5, 8, 16)
+  def test_ranks_pass_right_along_the_ring_by_partner_else(self, size):
+    for name in socket_ring.SCHEDULES:
+      along = schedule.along(socket_ring.SCHEDULES[name].plan(0, size, 10),
+                             0, size)
+      self.assertEqual(along, name == "ring" or size == 2, name)
 
 
-def _assert_the_same_bits_of_the_sum(outs, inputs):
-  """Every rank's output has the same bits, the float32 sum of ``inputs``."""
-  for out in outs[1:]:
-    np.testing.assert_array_equal(out, outs[0])
-  np.testing.assert_allclose(
-      outs[0], sum(x.astype(np.float64) for x in inputs), rtol=0,
-      atol=1e-5 * len(inputs))
+class _TwoOnly:
+  """A schedule of two ranks only: each sends its whole buffer and adds."""
+  NAME, WIRES, CAP_BYTES = "two_only", ("float32",), None
 
+  @staticmethod
+  def plan(rank, size, length):
+    if size not in (1, 2):
+      raise ValueError(f"two ranks, not {size}")
+    return ((schedule.Step(1 - rank, (0, length), 1 - rank, (0, length),
+                           True),) if size == 2 else ())
 
-class DoublingScheduleTest(parameterized.TestCase):
-
-  @parameterized.parameters(range(1, 18))
-  def test_every_rank_ends_with_the_same_bits_of_the_sum(self, size):
-    inputs = [_inputs(r, 1001) for r in range(size)]
-    _assert_the_same_bits_of_the_sum(_simulate_doubling(inputs), inputs)
-
-  @parameterized.parameters(range(1, 18))
-  def test_partners_agree_and_steps_are_few(self, size):
-    for r in range(size):
-      for step in doubling.steps(r, size):
-        self.assertNotEqual(step.partner, r)
-        self.assertIn(r, doubling.partners(step.partner, size))
-    longest = max(len(doubling.steps(r, size)) for r in range(size))
-    self.assertEqual(doubling.exchanges(size), longest)
-    if size > 3:  # Fewer latencies than the ring's 2 (size - 1).
-      self.assertLess(doubling.exchanges(size), 2 * (size - 1))
-
-  @parameterized.named_parameters(
-      ("one", 1, 0), ("two", 2, 1), ("three", 3, 3), ("four", 4, 2),
-      ("five", 5, 4), ("eight", 8, 3), ("sixty_four", 64, 6))
-  def test_exchanges(self, size, expected):
-    self.assertEqual(doubling.exchanges(size), expected)
-
-  def test_rank_out_of_range(self):
-    with self.assertRaisesRegex(ValueError, "rank 3"):
-      doubling.steps(3, 3)
-
-
-def _simulate_halving(inputs, in_place=False):
-  """A whole recursive halving and doubling all-reduce of ``inputs`` from
-  its steps, paired as `_simulate_doubling` pairs them.
-
-  What a rank sends is what its partner receives (checked), read before
-  either writes; a step reads the input first, then the output.
-
-  Returns:
-    Each rank's output, and each rank's output after the reduce-scatter
-    (its last adding step).
-  """
-  size, length = len(inputs), inputs[0].size
-  xs = [x.copy() for x in inputs]
-  outs = xs if in_place else [np.full(length, -7, x.dtype) for x in xs]
-  plans = [halving.steps(r, size, length) for r in range(size)]
-  if size == 1:  # No steps: `SocketRing` copies.
-    outs[0][:] = xs[0]
-  done = [0] * size
-  scattered = [None if p else outs[r].copy() for r, p in enumerate(plans)]
-  for _ in range(4 * size + 4):  # Far more rounds than any schedule needs.
-    for r in range(size):
-      if done[r] == len(plans[r]):
-        continue
-      q = plans[r][done[r]].partner
-      if done[q] == len(plans[q]) or plans[q][done[q]].partner != r:
-        continue
-      pair = {r: plans[r][done[r]], q: plans[q][done[q]]}
-      sent = {}
-      for me, other in ((r, q), (q, r)):
-        assert pair[me].send == pair[other].recv, pair
-        src = xs[me] if done[me] == 0 else outs[me]
-        sent[me] = src[slice(*pair[me].send)].copy()
-      for me, other in ((r, q), (q, r)):
-        src = xs[me] if done[me] == 0 else outs[me]
-        lo, hi = pair[me].recv
-        if pair[me].add:
-          outs[me][lo:hi] = src[lo:hi] + sent[other]
-        else:
-          outs[me][lo:hi] = sent[other]
-        done[me] += 1
-        if scattered[me] is None and not any(
-            t.add for t in plans[me][done[me]:]):
-          scattered[me] = outs[me].copy()
-  assert done == [len(p) for p in plans], (done, plans)
-  return outs, scattered
-
-
-class HalvingScheduleTest(parameterized.TestCase):
-
-  @parameterized.parameters(range(1, 18))
-  def test_every_rank_ends_with_the_exact_sum(self, size):
-    rng = np.random.default_rng(size)
-    for length in range(41):
-      for in_place in (False, True):
-        inputs = [rng.integers(-1000, 1000, length) for _ in range(size)]
-        expected = sum(inputs)
-        outs, scattered = _simulate_halving(inputs, in_place)
-        for out in outs:
-          np.testing.assert_array_equal(out, expected, f"{length}")
-        m = 1 << (size.bit_length() - 1)
-        for r, (lo, hi) in enumerate(schedule.segments(length, m)):
-          # Rank r holds the sum of segment r after the reduce-scatter.
-          np.testing.assert_array_equal(scattered[r][lo:hi],
-                                        expected[lo:hi])
-
-  @parameterized.parameters(range(1, 18))
-  def test_float32_sums_have_the_same_bits_on_every_rank(self, size):
-    inputs = [_inputs(r, 1001) for r in range(size)]
-    _assert_the_same_bits_of_the_sum(_simulate_halving(inputs)[0], inputs)
-
-  @parameterized.parameters(range(1, 18))
-  def test_ranges_partition_the_buffer(self, size):
-    m = 1 << (size.bit_length() - 1)
-    for length in range(41):
-      segments = schedule.segments(length, m)
-      for r in range(size):
-        plan = halving.steps(r, size, length)
-        whole = (0, length)
-        if r >= m:  # An extra rank: its buffer there, the total back.
-          self.assertEqual([(t.send, t.recv) for t in plan],
-                           [(whole, (0, 0)), ((0, 0), whole)])
-          continue
-        core = [t for t in plan if t.partner < m]
-        self.assertLen(core, 2 * (m.bit_length() - 1))
-        scatter, gather = core[:len(core) // 2], core[len(core) // 2:]
-        held = whole
-        for t in scatter:  # Each step splits what is held in two.
-          self.assertTrue(t.add)
-          lo, hi = held
-          self.assertTrue(any(
-              a[0] == lo and a[1] == b[0] and b[1] == hi
-              for a, b in ((t.send, t.recv), (t.recv, t.send))), (held, t))
-          held = t.recv
-        self.assertEqual(held, segments[r])  # Rank r owns segment r.
-        for t in gather:  # Each step joins what the two hold.
-          self.assertFalse(t.add)
-          self.assertEqual(t.send, held)
-          self.assertTrue(t.recv[1] == held[0] or t.recv[0] == held[1])
-          held = (min(held[0], t.recv[0]), max(held[1], t.recv[1]))
-        self.assertEqual(held, whole)
-        if r + m < size:  # Its extra rank's buffer first, the total last.
-          self.assertEqual(plan[0], halving.Step(r + m, (0, 0), whole, True))
-          self.assertEqual(plan[-1],
-                           halving.Step(r + m, whole, (0, 0), False))
-
-  @parameterized.named_parameters(
-      ("one", 1, 0), ("two", 2, 2), ("three", 3, 4), ("four", 4, 4),
-      ("five", 5, 6), ("eight", 8, 6), ("sixteen", 16, 8))
-  def test_exchanges(self, size, expected):
-    self.assertEqual(max(len(halving.steps(r, size, 10))
-                         for r in range(size)), expected)
-
-  def test_rank_out_of_range(self):
-    with self.assertRaisesRegex(ValueError, "rank 4"):
-      halving.steps(4, 4, 10)
+  @staticmethod
+  def seconds(size, nbytes, *, latency_s, bytes_per_s):
+    del nbytes, bytes_per_s
+    return size * latency_s
 
 
 def _ring_of(n, **kwargs):
@@ -486,12 +323,31 @@ class RuleTest(parameterized.TestCase):
       ("ring", "ring", 4096, "float32", "ring"),
       ("ring_bfloat16", "ring", 4096, "bfloat16", "ring"),
       ("doubling_large", "doubling", 64 << 20, "float32", "doubling"),
-      ("doubling_without_its_wire", "doubling", 4096, "float16", "ring"),
       ("doubling_empty", "doubling", 0, "float32", "ring"),
   )
   def test_schedule_for(self, forced, nbytes, wire, expected):
     ring = _ring_of(4, schedule=forced)
     self.assertEqual(ring.schedule_for(nbytes, wire), expected)
+
+  @parameterized.named_parameters(
+      ("doubling_float16", "doubling", 4, "float16",
+       "carries wire='float16': ['ring']"),
+      ("halving_bfloat16", "halving", 8, "bfloat16",
+       "carries wire='bfloat16': ['ring']"),
+      ("two_only_at_three", "two_only", 3, "float32",
+       "carries 3 hosts: ['doubling', 'halving', 'ring']"),
+      ("two_only_float16", "two_only", 2, "float16",
+       "carries wire='float16': ['ring']"),
+  )
+  def test_a_forced_schedule_that_cannot_carry_is_refused(
+      self, name, n, wire, can):
+    # two_only: a schedule of this test's, one module and one row.
+    with mock.patch.dict(socket_ring.SCHEDULES, two_only=_TwoOnly):
+      with self.assertRaises(tfdist.ConfigError) as caught:
+        _ring_of(n, schedule=name).schedule_for(4096, wire)
+    self.assertEqual((caught.exception.field, caught.exception.value),
+                     ("schedule", name))
+    self.assertIn(can, str(caught.exception))
 
   @parameterized.named_parameters(("unknown", "tree"), ("empty", ""),
                                   ("case", "Ring"), ("list", ["ring"]))
@@ -913,6 +769,31 @@ class SocketRingTest(_RingsTestCase):
     with self.assertRaisesRegex(tfdist.ConfigError, "out"):
       ring.all_reduce(np.ones(3, np.float32), out=np.ones(4, np.float32))
 
+  def test_the_rule_measures_the_link_and_every_rank_picks_alike(self):
+    sizes = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 16 << 20]
+    results = _on_each(self._rings(4), lambda r, ring: (
+        ring.all_reduce(_inputs(r, 10)), ring.link,
+        [ring.schedule_for(s) for s in sizes]))
+    assumed = dict(latency_s=socket_ring.DEFAULT_LATENCY_S,
+                   bytes_per_s=socket_ring.DEFAULT_BYTES_PER_S)
+    self.assertNotEqual(results[0][1], assumed)
+    for _, link, picks in results:
+      self.assertEqual(link, results[0][1])  # The same bits on every rank.
+      self.assertEqual(picks, [socket_ring.choose(4, s, **link)
+                               for s in sizes])
+
+  def test_a_measurement_over_its_time_falls_back_to_the_assumed_link(self):
+    with mock.patch.object(socket_ring, "_MEASURE_S", 0), self.assertLogs(
+        "absl", "WARNING") as logs:
+      results = _on_each(self._rings(3), lambda r, ring: (
+          ring.all_reduce(_inputs(r, 10)), ring.link))
+    for _, link in results:
+      self.assertEqual(link, dict(latency_s=socket_ring.DEFAULT_LATENCY_S,
+                                  bytes_per_s=socket_ring.DEFAULT_BYTES_PER_S))
+    failed = [m for m in logs.output if "measuring the link" in m]
+    self.assertLen(failed, 3)  # One line a rank, naming the hops.
+    self.assertIn("worker:2 -> worker:0, worker:0 -> worker:1", failed[0])
+
   def test_one_rank_returns_a_copy(self):
     ring, = self._rings(1)
     data = np.arange(4, dtype=np.float32)
@@ -1114,17 +995,29 @@ class HalvingRingTest(_RingsTestCase):
     np.testing.assert_allclose(
         results[0], sum(_inputs(r, data_bytes // 4).astype(np.float64)
                         for r in range(8)), rtol=0, atol=1e-5)
-    self.assertFalse(rings[0].connected)  # Partners', not the ring's.
+    self.assertTrue(rings[0].connected)  # The rule measured its link.
 
-  @parameterized.named_parameters(("doubling", "doubling", 3, "bfloat16"),
-                                  ("halving", "halving", 4, "float16"))
-  def test_compressed_wires_take_the_ring(self, name, n, wire):
-    rings = self._rings(n, schedule=name)
-    results = _on_each(rings, lambda r, ring: (
-        ring.all_reduce(_inputs(r, 100), wire=wire), ring.connected))
-    for got, connected in results:
-      np.testing.assert_array_equal(got, results[0][0])
-      self.assertTrue(connected)  # The ring's own connections.
+  def test_a_new_schedule_is_one_module_and_one_row(self):
+    with mock.patch.dict(socket_ring.SCHEDULES, two_only=_TwoOnly):
+      rings = self._rings(2, schedule="two_only")
+      results = _on_each(rings, lambda r, ring: ring.all_reduce(
+          [_inputs(r, 3000), _inputs(r + 10, 2000)]))
+    for got in results:
+      for a, b in zip(got, results[0]):
+        np.testing.assert_array_equal(a, b)
+      np.testing.assert_allclose(got[0], _inputs(0, 3000) + _inputs(1, 3000))
+
+  def test_a_forced_schedule_refuses_a_wire_it_cannot_carry(self):
+    rings = self._rings(4, schedule="halving")
+
+    def fn(r, ring):
+      with self.assertRaisesRegex(tfdist.ConfigError, r"float16.*\['ring'\]"):
+        ring.all_reduce(_inputs(r, 100), wire="float16")
+      return ring.all_reduce(_inputs(r, 100))  # The ring is not torn.
+
+    for got in _on_each(rings, fn):
+      np.testing.assert_allclose(got, sum(_inputs(r, 100) for r in range(4)),
+                                 atol=1e-5)
 
   @parameterized.named_parameters(("four", 4, 3), ("five", 5, 4),
                                   ("eight", 8, 5))
@@ -1146,7 +1039,7 @@ class HalvingRingTest(_RingsTestCase):
       self.assertIsInstance(error, tfdist.WorkerLostError)
       self.assertLess(seconds, 30)  # Not the 60 s timeout.
       self.assertIs(rings[r].failure, error)
-    partner = halving.steps(lost, n, 1000)[0].partner
+    partner = halving.plan(lost, n, 1000)[0].to
     self.assertIn(f"worker:{partner} lost worker:{lost}",
                   str(results[partner][0]))
 

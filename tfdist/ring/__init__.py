@@ -2,13 +2,12 @@
 
 One module per seam, each testable alone:
 
-* the schedules, one module each, a row of `socket_ring`'s table:
-  `schedule`, the ring (which elements each rank sends, receives and adds
-  at each step of the reduce-scatter and the all-gather), `doubling`,
-  recursive doubling's partners for small buffers, and `halving`,
-  recursive halving and doubling (Rabenseifner's) for larger ones at many
-  ranks; the steps are pure functions, and each module's ``all_reduce``
-  runs them on a ring;
+* the schedules, one module and one row of `socket_ring`'s table each,
+  pure plans (which elements each rank sends to and receives from whom
+  at each step, and whether it adds them): `schedule`, the ring (and the
+  plans' `Step`), `doubling`, recursive doubling for small buffers, and
+  `halving`, recursive halving and doubling (Rabenseifner's) for larger
+  ones at many ranks;
 * `pieces`: a list of arrays read as their concatenation, never made (a
   model's gradients, summed as one buffer without packing them);
 * `wire`: what crosses the sockets: hellos, call headers, encoded values;
@@ -16,8 +15,8 @@ One module per seam, each testable alone:
 * `connection`: the ring's members, listening and the hello exchange;
 * `exchange`: one step's blocks moved both ways over non-blocking sockets;
 * `courier`: a ring's thread that runs queued work in order (buckets);
-* `socket_ring`: `SocketRing`: the connections, and the dispatch to the
-  schedules.
+* `socket_ring`: `SocketRing`: the connections, the link's measure, and
+  the one executor of the plans.
 """
 
 from tfdist.ring.connection import Rendezvous

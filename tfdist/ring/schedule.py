@@ -1,53 +1,48 @@
-"""The ring schedule: which elements move at each step, and moving them.
+"""The ring schedule, and the `Step` every schedule's plan is made of.
 
-The steps are pure functions of a rank, the ring's size and the buffer's
-length (no sockets, no numbers), so they can be checked alone; `all_reduce`
-runs them on a `SocketRing`'s connections, the schedule of every buffer
-that no other takes (`tfdist.ring.socket_ring`).
+A schedule is a pure plan: ``plan(rank, size, length)`` gives one rank's
+steps (`Step`) of an all-reduce of ``length`` elements over ``size`` ranks, no
+sockets, so every plan can be run on paper (tests/test_ring.py simulates
+them all). `tfdist.ring.socket_ring.SocketRing` alone carries plans out:
+headers, numbering, failures, connections, blocks and wire dtypes.
 
-The buffer of ``length`` elements is cut into ``size`` segments (segment
-``i`` holds elements ``i * length // size`` up to ``(i + 1) * length //
-size``; lengths differ by at most one, and some are empty when ``length <
-size``). Ranks pass data to the right (rank ``r`` to ``r + 1``) in two
-phases of ``size - 1`` steps each:
+A rank's values start as its input. At a step it sends its values of
+``send`` to rank ``to`` and receives ``recv``'s from rank ``source``, then
+adds them in (``add``) or stores them; the peer's matching step has the
+same ``add``. A plan either goes along the ring (every step sends to the
+right neighbour and receives from the left, all ranks in step, one call
+with one header) or by partner (each step with one partner, both ways or
+one way, one call of its own on that pair's connections). Two rules keep
+the executor simple and in place: a step's ``send`` and ``recv`` overlap
+only when it adds, and a span is either untouched before a step or wholly
+received earlier (so it is read from the input or from the output, never
+both). A plan that cannot carry ``size`` ranks raises ``ValueError``.
 
-* reduce-scatter step ``s``: rank ``r`` sends segment ``r - s`` (its own
-  input at ``s = 0``, then the partial sum it made at step ``s - 1``) and
-  adds what it receives into segment ``r - s - 1``; afterwards it owns the
-  full sum of segment ``r + 1`` (`owned`);
-* all-gather step ``s``: rank ``r`` sends segment ``r + 1 - s`` and stores
-  what it receives as segment ``r - s``.
-
-Segment numbers are taken modulo ``size``. What rank ``r`` sends at a step
-is what rank ``r + 1`` receives at that step, and a segment is never
-written in the step that sends it, so the sum may go into the input.
+The ring (Baidu's and Horovod's): the buffer is cut into ``size``
+segments (`segments`); rank ``r`` sends right in two phases of
+``size - 1`` steps: reduce-scatter step ``s`` sends segment ``r - s`` and
+adds what comes into ``r - s - 1``; all-gather step ``s`` sends segment
+``r + 1 - s`` (at ``s = 0`` the one it summed) and stores ``r - s``
+(modulo ``size``). Its model (`seconds`): ``2 (size - 1)`` messages one
+after the other, each of ``nbytes / size``, so ``2 (size - 1)`` latencies
+and ``2 (size - 1) / size`` of the buffer each way, the least any
+all-reduce can move.
 
 Example::
 
-  for step in reduce_scatter(rank=0, size=3, length=10):
-    for lo, hi in blocks(step.send, block=4):
-      ...  # Send elements lo:hi to rank 1.
+  for step in plan(rank=0, size=3, length=10):
+    ...  # Send step.send to step.to; receive step.recv from step.source.
 """
-
-# A schedule is the ring's own part: it runs under its lock, on its members.
-# pylint: disable=protected-access
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
-import numpy as np
-
-from tfdist.ring import pieces
 from tfdist.ring.wire import WIRE_DTYPES
-from tfdist.ring.wire import as_bytes
-from tfdist.ring.wire import decode
-from tfdist.ring.wire import encode
 
-__all__ = ["NAME", "WIRES", "CAP_BYTES", "Span", "Step", "segments",
-           "segment_capacity", "reduce_scatter", "all_gather", "owned",
-           "blocks", "seconds", "all_reduce"]
+__all__ = ["NAME", "WIRES", "CAP_BYTES", "Span", "Step", "NONE", "segments",
+           "blocks", "along", "sources", "folded", "seconds", "plan"]
 
 #: Its name in `tfdist.ring.socket_ring.SCHEDULES`.
 NAME = "ring"
@@ -58,65 +53,32 @@ CAP_BYTES = None
 
 #: Elements ``lo`` up to (not including) ``hi`` of the flat buffer.
 Span = tuple[int, int]
+#: An empty span: nothing sent, or nothing received.
+NONE: Span = (0, 0)
 
 
 class Step(NamedTuple):
-  """One step of one rank: what it sends right and receives from the left.
-
-  A named tuple, not a dataclass: cheap to build, and immutable, so a
-  schedule can be cached and shared.
+  """One step of one rank's plan (immutable, so plans are cached).
 
   Attributes:
-    send: the elements sent to the right neighbour.
-    recv: the elements received from the left neighbour.
+    to: the rank ``send`` goes to (``None`` when empty).
+    send: the elements sent.
+    source: the rank ``recv`` comes from (``None`` when empty).
+    recv: the elements received.
+    add: add what is received into this rank's values (else store it).
   """
+  to: int | None
   send: Span
+  source: int | None
   recv: Span
+  add: bool
 
 
 def segments(length: int, size: int) -> list[Span]:
-  """The ``size`` segments of a buffer of ``length`` elements, in order."""
+  """The ``size`` segments of ``length`` elements, in order: lengths differ
+  by at most one, and some are empty when ``length < size``."""
   bounds = [i * length // size for i in range(size + 1)]
   return list(zip(bounds, bounds[1:]))
-
-
-def segment_capacity(length: int, size: int) -> int:
-  """Elements enough to hold any one segment (they differ by at most one)."""
-  return length // size + 1
-
-
-# Every training step all-reduces the same length: its schedule is reused.
-@functools.lru_cache(maxsize=256)
-def _steps(rank: int, size: int, length: int, send: int,
-           recv: int) -> tuple[Step, ...]:
-  """``size - 1`` steps; step ``s`` sends segment ``rank + send - s``."""
-  segs = segments(length, size)
-  return tuple(Step(segs[(rank + send - s) % size],
-                    segs[(rank + recv - s) % size]) for s in range(size - 1))
-
-
-def reduce_scatter(rank: int, size: int, length: int) -> tuple[Step, ...]:
-  """The reduce-scatter steps of ``rank``: add each received segment in.
-
-  Step ``s`` sends segment ``rank - s`` and receives segment ``rank - s -
-  1``, whose sum so far is the received values plus this rank's input.
-  """
-  return _steps(rank, size, length, 0, -1)
-
-
-def all_gather(rank: int, size: int, length: int) -> tuple[Step, ...]:
-  """The all-gather steps of ``rank``: store each received segment.
-
-  Step ``s`` sends segment ``rank + 1 - s`` (the `owned` one at ``s = 0``,
-  then the one received at step ``s - 1``) and receives segment ``rank -
-  s``.
-  """
-  return _steps(rank, size, length, 1, 0)
-
-
-def owned(rank: int, size: int, length: int) -> Span:
-  """The segment ``rank`` holds the full sum of after the reduce-scatter."""
-  return segments(length, size)[(rank + 1) % size]
 
 
 def blocks(span: Span, block: int) -> list[Span]:
@@ -125,94 +87,53 @@ def blocks(span: Span, block: int) -> list[Span]:
   return [(s, min(s + block, hi)) for s in range(lo, hi, block)]
 
 
+def along(steps: tuple[Step, ...], rank: int, size: int) -> bool:
+  """Whether ``steps`` go along the ring (else by partner)."""
+  return all(s.to in (None, (rank + 1) % size)
+             and s.source in (None, (rank - 1) % size) for s in steps)
+
+
+def sources(steps: tuple[Step, ...]) -> tuple[tuple[bool, bool], ...]:
+  """Whether each step's ``send`` and ``recv`` are still untouched (read
+  from the input; else from the output, where earlier steps received)."""
+  got, written = [], []
+  for step in steps:
+    got.append(tuple(not any(lo < b and a < hi for a, b in written)
+                     for lo, hi in (step.send, step.recv)))
+    written.append(step.recv)
+  return tuple(got)
+
+
+def folded(rank: int, size: int, length: int,
+           core: Callable[[int], list[Step]]) -> tuple[Step, ...]:
+  """A plan by partner for any ``size`` from ``core(m)``, the steps of
+  ``rank`` among ``m``, the largest power of two in ``size``: each extra
+  rank ``e >= m`` first hands its buffer to ``e - m`` (which adds it) and
+  at the end takes the total from it."""
+  m, whole = 1 << (size.bit_length() - 1), (0, length)
+  if rank >= m:
+    return (Step(rank - m, whole, None, NONE, True),
+            Step(None, NONE, rank - m, whole, False))
+  if rank + m >= size:
+    return tuple(core(m))
+  return (Step(None, NONE, rank + m, whole, True), *core(m),
+          Step(rank + m, whole, None, NONE, False))
+
+
 def seconds(size: int, nbytes: float, *, latency_s: float,
             bytes_per_s: float) -> float:
-  """The alpha-beta model's time of one all-reduce of ``nbytes``.
-
-  ``2 (size - 1)`` steps one after the other, each a message of
-  ``nbytes / size`` costing ``latency_s + bytes / bytes_per_s``.
-  """
+  """The alpha-beta model's time of one all-reduce of ``nbytes``: ``2
+  (size - 1)`` messages of ``nbytes / size``, each ``latency_s + bytes /
+  bytes_per_s``."""
   return 2 * (size - 1) * (latency_s + nbytes / size / bytes_per_s)
 
 
-def all_reduce(ring, x: pieces.Pieces, out: pieces.Pieces, wire: str,
-               tag: int) -> None:
-  """Sums ``x`` into ``out`` over ``ring``: reduce-scatter, then all-gather.
-
-  For every ring of two or more processes. A segment is never written in
-  the step that sends it, so ``out`` may be ``x``. A block that spans
-  several arrays of ``x`` is sent as their views, one after the other, and
-  added view by view.
-  """
-  ring._call_locked("all-reduce", x.size, wire, tag,
-                    _moves(ring, x, out, wire))
-
-
-def _moves(ring, x: pieces.Pieces, out: pieces.Pieces, wire: str):
-  """Each step's ``(sends, recvs)`` for `tfdist.ring.exchange.Link`."""
-  n, r, block = ring.size, ring.rank, ring._block
-  compressed = wire != "float32"
-  send_buf, recv_buf = ring._wire(wire, segment_capacity(x.size, n))
-  widened = ring._scratch
-  for s, step in enumerate(reduce_scatter(r, n, x.size)):
-    sends, recvs = [], []
-    slo, rlo = step.send[0], step.recv[0]
-    src = x if s == 0 else out  # Then the partial sum of step s - 1.
-    for lo, hi in blocks(step.send, block):
-      if compressed:
-        sends.append(lambda lo=lo, hi=hi, slo=slo, src=src: _encode(
-            src.views(lo, hi), send_buf[lo - slo:hi - slo]))
-      else:
-        sends.extend(lambda v=v: as_bytes(v) for _, v in src.views(lo, hi))
-    for lo, hi in blocks(step.recv, block):
-      part = recv_buf[lo - rlo:hi - rlo]
-
-      def add(part=part, xs=x.views(lo, hi), outs=out.views(lo, hi),
-              size=hi - lo):
-        values = decode(part, widened[:size]) if compressed else part
-        pieces.add(values, xs, outs)
-
-      recvs.append((as_bytes(part), add, -1))
-    yield sends, recvs
-  for s, step in enumerate(all_gather(r, n, x.size)):
-    sends, recvs = [], []
-    slo, rlo = step.send[0], step.recv[0]
-    for lo, hi in blocks(step.send, block):
-      if not compressed:
-        sends.extend(lambda v=v: as_bytes(v) for _, v in out.views(lo, hi))
-      elif s == 0:  # The owned segment: round once, keep the rounding.
-
-        def own(views=out.views(lo, hi), part=send_buf[lo - slo:hi - slo]):
-          sent = _encode(views, part)
-          _decode(part, views)
-          return sent
-
-        sends.append(own)
-      else:  # Forward what arrived at the previous step, as it came.
-        sends.append(lambda lo=lo, hi=hi, slo=slo, buf=send_buf: as_bytes(
-            buf[lo - slo:hi - slo]))
-    for lo, hi in blocks(step.recv, block):
-      if compressed:
-        part = recv_buf[lo - rlo:hi - rlo]
-        recvs.append((as_bytes(part), lambda part=part, views=out.views(
-            lo, hi): _decode(part, views), -1))
-      else:
-        recvs.extend((as_bytes(v), None, -1) for _, v in out.views(lo, hi))
-    yield sends, recvs
-    if compressed:
-      send_buf, recv_buf = recv_buf, send_buf
-
-
-def _encode(views: list[tuple[int, np.ndarray]], into: np.ndarray
-            ) -> memoryview:
-  """Rounds float32 ``views`` (offset, values) into the wire buffer ``into``."""
-  for at, v in views:
-    encode(v, into[at:at + v.size])
-  return as_bytes(into)
-
-
-def _decode(received: np.ndarray, views: list[tuple[int, np.ndarray]]
-            ) -> None:
-  """Widens wire values ``received`` into float32 ``views`` (offset, into)."""
-  for at, v in views:
-    decode(received[at:at + v.size], v)
+@functools.lru_cache(maxsize=256)
+def plan(rank: int, size: int, length: int) -> tuple[Step, ...]:
+  """The ring's ``2 (size - 1)`` steps of ``rank``; none for one rank."""
+  segs = segments(length, size)
+  right, left = (rank + 1) % size, (rank - 1) % size
+  return tuple(Step(right, segs[(rank + first - s) % size], left,
+                    segs[(rank + first - 1 - s) % size], add)
+               for first, add in ((0, True), (1, False))
+               for s in range(size - 1))

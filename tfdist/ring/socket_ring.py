@@ -16,13 +16,16 @@ segments (`tfdist.ring.schedule`): each process sends and receives
   block just before it is sent and adding a block as soon as it is in, so
   the working set stays in cache. No helper threads, no hand-offs: an
   all-reduce of a few values takes about two round trips.
-* **Schedules** (`SCHEDULES`, one module each): `choose` picks, by the
-  alpha-beta model of each, the one of least time for a call's size and
-  the ring's. With float32 on the wire, small buffers take recursive
-  doubling (`tfdist.ring.doubling`, ``log2 n`` exchanges of the whole
-  buffer) and, from 4 ranks, middle and large ones recursive halving and
-  doubling (`tfdist.ring.halving`, ``2 log2 n`` exchanges moving the
-  ring's bytes), where the ring's ``2 (n - 1)`` steps would cost more.
+* **Schedules** (`SCHEDULES`, one module each, a pure plan of which
+  blocks go to and come from which peer at each step; `SocketRing` alone
+  carries plans out, `_run`): `choose` picks, by the alpha-beta model of
+  each over the link the ring measured as it connected
+  (`SocketRing.link`), the one of least time for a call's size. With
+  float32 on the wire, small buffers take recursive doubling
+  (`tfdist.ring.doubling`, ``log2 n`` exchanges of the whole buffer) and,
+  from 4 ranks, middle and large ones recursive halving and doubling
+  (`tfdist.ring.halving`, ``2 log2 n`` exchanges moving the ring's
+  bytes), where the ring's ``2 (n - 1)`` steps would cost more.
   ``schedule=`` forces one (benchmarks).
 * **In place**: ``out=data`` sums into the input (no output buffer; what
   the TensorFlow glue does with its packed gradients).
@@ -66,11 +69,10 @@ coordination service)::
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from absl import logging
 import numpy as np
@@ -88,8 +90,12 @@ from tfdist.ring import halving
 from tfdist.ring import pieces
 from tfdist.ring import schedule as ring_schedule
 from tfdist.ring import wire as wire_lib
+from tfdist.ring.schedule import Step
+from tfdist.ring.schedule import blocks
 from tfdist.ring.wire import WIRE_DTYPES
 from tfdist.ring.wire import as_bytes
+from tfdist.ring.wire import decode
+from tfdist.ring.wire import encode
 
 __all__ = ["SocketRing", "DEFAULT_BLOCK_BYTES", "DEFAULT_LATENCY_S",
            "DEFAULT_BYTES_PER_S", "SCHEDULES", "choose"]
@@ -101,26 +107,29 @@ DEFAULT_BLOCK_BYTES = 512 << 10
 #: The schedules by name, a module each with ``NAME``, ``WIRES`` (the wire
 #: dtypes it carries), ``seconds(size, nbytes, *, latency_s, bytes_per_s)``
 #: (its alpha-beta model), ``CAP_BYTES`` (float32 bytes above which
-#: `choose` never picks it; ``None``: no cap) and ``all_reduce(ring, x,
-#: out, wire, tag)``, run under the ring's lock. The ring, last, takes every
-#: call the others do not.
+#: `choose` never picks it; ``None``: no cap) and ``plan(rank, size,
+#: length)``, its pure plan (`tfdist.ring.schedule.Step`), which
+#: `SocketRing` carries out. The ring, last, takes every call the others
+#: do not.
 SCHEDULES = {m.NAME: m for m in (doubling, halving, ring_schedule)}
 
-#: The link `choose` assumes by default: the slowest tfdist is measured on
-#: (1 Gbit/s: 0.95 of the line, as the bed's streams moved) and what one
-#: message costs a schedule over it, in Python at both ends: a small token
-#: crosses a hop of the bed in 13-28 us, but a schedule's step also encodes,
-#: checks a header and adds; two hosts of the bed, each with a core, took
-#: 73 us a ring step and 98 us a doubling exchange at 4 KiB
-#: (`tfdist.bench.schedules`, docs/benchmarks.md "Many hosts"). With 30 us
-#: the rule took halving from 8 KiB at 8 hosts, where doubling measured
-#: 1.6-1.9x faster. A faster link moves every crossover to larger buffers,
-#: so the picks stay on the safe side there and leave some gain unused.
+#: The fallback link `choose` assumes where it was not measured
+#: (`SocketRing.link`): the slowest tfdist is measured on (1 Gbit/s: 0.95
+#: of the line, as the bed's streams moved) and what one message costs a
+#: schedule over it, in Python at both ends: a small token crosses a hop
+#: of the bed in 13-28 us, but a schedule's step also encodes, checks a
+#: header and adds; two hosts of the bed, each with a core, took 73 us a
+#: ring step and 98 us a doubling exchange at 4 KiB
+#: (`tfdist.bench.schedules`, docs/benchmarks.md "Many hosts").
 DEFAULT_BYTES_PER_S = 0.95 * 125e6
 DEFAULT_LATENCY_S = 100e-6
 #: Another schedule must beat the ring's model time by more than rounding:
 #: a tie keeps the ring, which needs no connections of its own.
 _TIE = 1e-9
+#: What a ring times when it connects (`SocketRing.link`): (bytes, times)
+#: of small then large exchanges; figures that took longer are dropped.
+_PROBES = ((8, 20), (1 << 20, 3))
+_MEASURE_S = 1.0
 
 _warned_unauthenticated = False
 
@@ -158,6 +167,35 @@ def choose(size: int, nbytes: int, wire: str = "float32", *,
       if seconds < least:
         best, least = name, seconds
   return best
+
+
+def _carries(name: str, size: int, wire: str | None = None) -> bool:
+  """Whether schedule ``name`` carries ``size`` ranks (and ``wire``)."""
+  try:
+    SCHEDULES[name].plan(0, size, 0)
+  except ValueError:
+    return False
+  return wire is None or wire in SCHEDULES[name].WIRES
+
+
+class _Plan(NamedTuple):
+  """A rank's plan and what `SocketRing._moves` derives from it."""
+  steps: tuple[Step, ...]
+  along: bool  # `tfdist.ring.schedule.along`
+  sources: tuple[tuple[bool, bool], ...]  # `tfdist.ring.schedule.sources`
+  longest: int  # The longest span, in elements.
+
+
+def _prepared(steps: tuple[Step, ...], rank: int, size: int) -> _Plan:
+  return _Plan(steps, ring_schedule.along(steps, rank, size),
+               ring_schedule.sources(steps),
+               max([hi - lo for s in steps for lo, hi in (s.send, s.recv)],
+                   default=0))
+
+
+@functools.lru_cache(maxsize=256)  # A training step's lengths recur.
+def _planned(name: str, rank: int, size: int, length: int) -> _Plan:
+  return _prepared(SCHEDULES[name].plan(rank, size, length), rank, size)
 
 
 def _apart(xs: list[np.ndarray], outs: list[np.ndarray]) -> list[np.ndarray]:
@@ -202,8 +240,9 @@ class SocketRing:
       sent and received. Needs a secret.
     threaded_bytes: steps that receive at least this many bytes run a
       sending and a receiving thread (`tfdist.ring.exchange`).
-    schedule: the name of the schedule every call takes where it carries
-      the wire (else the ring), one of `SCHEDULES`; ``None``: `choose`'s.
+    schedule: the name of the schedule every call takes, one of
+      `SCHEDULES`; ``None``: `choose`'s. A call whose wire it does not
+      carry is refused (`schedule_for`).
       With more than two ranks the schedules other than the ring make a
       connection per partner (one more listening port each, made at the
       first such call).
@@ -211,7 +250,8 @@ class SocketRing:
   Raises:
     ConfigError: a rank out of range, a non-positive timeout or
       ``block_bytes``, malformed ``ports``, ``authenticate_values``
-      without a secret, or an unknown ``schedule``.
+      without a secret, or an unknown ``schedule`` or one that cannot
+      carry ``len(hosts)`` ranks (naming those that can).
   """
 
   def __init__(self, *, rank: int, hosts: Sequence[str],
@@ -247,7 +287,13 @@ class SocketRing:
       raise ConfigError(field="schedule", value=schedule, source=source,
                         expected=f"None (the rule) or one of "
                                  f"{sorted(SCHEDULES)}")
+    if schedule is not None and not _carries(schedule, len(hosts)):
+      raise ConfigError(field="schedule", value=schedule, source=source,
+                        expected=f"one that carries {len(hosts)} hosts: "
+                        f"{[n for n in SCHEDULES if _carries(n, len(hosts))]}")
     self._forced = schedule
+    self._link_figures = dict(latency_s=DEFAULT_LATENCY_S,
+                              bytes_per_s=DEFAULT_BYTES_PER_S)
     self._pairs: dict[int, SocketRing] = {}
     self._ports_text = ports
     self._ports = connection.ring_ports(ports, source=source)
@@ -265,7 +311,7 @@ class SocketRing:
     self._failure: BaseException | None = None
     self._calls = 0
     self._wire_bufs: dict[str, list[np.ndarray]] = {}
-    self._scratch = np.empty(self._block, np.float32)
+    self._widened = np.empty(self._block, np.float32)
     self._courier: courier_lib.Courier | None = None
     self._courier_lock = threading.Lock()
 
@@ -284,12 +330,30 @@ class SocketRing:
   def schedule_for(self, nbytes: int, wire: str = "float32") -> str:
     """The schedule (a key of `SCHEDULES`) a call of ``nbytes`` float32
     bytes with ``wire`` takes on this ring: `choose`'s, or the one forced
-    (``schedule``) where it carries the wire; the ring for an empty
-    buffer (it moves only the call's header)."""
+    (``schedule``); the ring for an empty buffer (it moves only the call's
+    header).
+
+    Raises:
+      ConfigError: the forced schedule does not carry ``wire``; names the
+        schedules that do.
+    """
     forced = self._forced
     if forced is None or not nbytes:
-      return choose(self.size, nbytes, wire)
-    return forced if wire in SCHEDULES[forced].WIRES else ring_schedule.NAME
+      return choose(self.size, nbytes, wire, **self._link_figures)
+    if wire not in SCHEDULES[forced].WIRES:
+      raise ConfigError(
+          field="schedule", value=forced, source=self._source,
+          expected=f"one that carries wire={wire!r}: "
+                   f"{[n for n in SCHEDULES if _carries(n, self.size, wire)]}")
+    return forced
+
+  @property
+  def link(self) -> dict[str, float]:
+    """The figures `choose` takes for this ring (``latency_s``,
+    ``bytes_per_s``): measured when a ring of the rule (no ``schedule``)
+    connects, the same on every rank; the defaults until then, or where
+    the measuring failed (logged, naming the hops)."""
+    return dict(self._link_figures)
 
   @property
   def calls(self) -> int:
@@ -357,6 +421,45 @@ class SocketRing:
                                right_rank=members.right,
                                timeout_s=self._timeout_s, seal=seal,
                                threaded_bytes=self._threaded_bytes)
+    if self._forced is None:
+      try:
+        self._measure()
+      except exchange.PeerLost as e:
+        self._fail(WorkerLostError(
+            f"socket transport: {members.me} lost "
+            f"{members.describe(e.rank)} measuring the link: {e.what}"))
+
+  def _measure(self) -> None:
+    """Times the ring's steps (all ranks at once, `_PROBES`); every rank
+    gets every rank's figures (an all-gather) and takes the slowest."""
+    start, times = time.monotonic(), []
+    for nbytes, repeats in _PROBES:
+      sent, got = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+      took = []
+      for _ in range(repeats):
+        t = time.perf_counter()
+        self._link.exchange([lambda: sent], [(got, None, -1)])
+        took.append(time.perf_counter() - t)
+      times.append(min(took))
+    (small, large), (t_small, t_large) = [p[0] for p in _PROBES], times
+    n, r = self.size, self.rank
+    figures = np.full((n, 2), np.nan)
+    if time.monotonic() - start < _MEASURE_S and t_large > t_small:
+      figures[r] = t_small, (t_large - t_small) / (large - small)
+    for s in range(n - 1):  # Rank r passes on what it has of rank r - s.
+      self._link.exchange([lambda i=(r - s) % n: as_bytes(figures[i])],
+                          [(as_bytes(figures[(r - s - 1) % n]), None, -1)])
+    failed = np.isnan(figures[:, 0])
+    if failed.any():
+      names = self._members.names
+      logging.warning(
+          "socket transport: measuring the link failed or took over %s s "
+          "on the hop(s) %s; the schedules are chosen for the assumed link",
+          _MEASURE_S, ", ".join(f"{names[(i - 1) % n]} -> {names[i]}"
+                                for i in np.flatnonzero(failed)))
+      return
+    self._link_figures = dict(latency_s=float(figures[:, 0].max()),
+                              bytes_per_s=float(1 / figures[:, 1].max()))
 
   def _warn_unauthenticated(self) -> None:
     global _warned_unauthenticated
@@ -448,10 +551,13 @@ class SocketRing:
             np.copyto(b, a)
         return
       with self._recorded(kind, wire, x.size):
+        if self._forced is None:
+          self._connect_locked()  # Measures the link the rule takes.
         if self._failure is not None:
           raise self._failure
-        SCHEDULES[self.schedule_for(x.size * 4, wire)].all_reduce(
-            self, x, out, wire, tag)
+        name = self.schedule_for(x.size * 4, wire)
+        self._run(_planned(name, self.rank, self.size, x.size), x,
+                  out, wire, tag, "all-reduce")
 
   def _recorded(self, kind: str, wire: str, size: int):
     """The flight recorder's note of one call: its peers are the ring."""
@@ -485,34 +591,29 @@ class SocketRing:
         np.copyto(out.reshape(-1), data.reshape(-1))
         return
       with self._recorded("exchange", "float32", data.size):
-        self._send_receive_locked(data.reshape(-1), out.reshape(-1), tag=tag)
+        span, m = (0, data.size), self._members
+        step = Step(m.right, span, m.left, span, False)
+        self._run(_prepared((step,), self.rank, self.size),
+                  pieces.Pieces([data.reshape(-1)]),
+                  pieces.Pieces([out.reshape(-1)]), "float32", tag, "exchange")
 
-  def _send_receive_locked(self, x: np.ndarray, flat_out: np.ndarray, *,
-                           tag: int, what: str = "exchange") -> None:
-    blocks = ring_schedule.blocks((0, x.size), self._block)
-    self._call_locked(what, x.size, "float32", tag, [(
-        [lambda lo=lo, hi=hi: as_bytes(x[lo:hi]) for lo, hi in blocks],
-        [(as_bytes(flat_out[lo:hi]), None, -1) for lo, hi in blocks])])
-
-  def _swap(self, data: np.ndarray, out: np.ndarray, tag: int) -> None:
-    """One exchange of a recursive-doubling all-reduce, with the partner."""
-    with self._lock:
-      self._send_receive_locked(data, out, tag=tag, what="all-reduce")
-
-  def _step(self, length: int, tag: int, sends: list, recvs: list) -> None:
-    """One call of one step over this ring of two (a partner's): the
-    header, then ``sends`` and ``recvs`` (`tfdist.ring.exchange.Link`)."""
-    with self._lock:
-      self._call_locked("all-reduce", length, "float32", tag,
-                        [(sends, recvs)])
-
-  @contextlib.contextmanager
-  def _over_pairs(self):
-    """One call made over partners' rings of two (`_pair`), counted; a
-    partner's failure closes this ring and every partner's, for good."""
+  def _run(self, plan: _Plan, x: pieces.Pieces,
+           out: pieces.Pieces, wire: str, tag: int, what: str) -> None:
+    """Carries out one rank's plan (`tfdist.ring.schedule`) as one call:
+    along the ring, over the neighbours' connections with one header; by
+    partner, each step one call on that partner's ring of two (`_pair`),
+    where a partner's failure closes this ring and every partner's."""
+    moves = self._moves(plan, x, out, wire)
+    if plan.along:
+      self._call_locked(what, x.size, wire, tag,
+                        ((sends, recvs) for _, sends, recvs in moves))
+      return
     self._calls += 1
     try:
-      yield
+      for partner, sends, recvs in moves:
+        pair = self._pair(partner)
+        with pair._lock:
+          pair._call_locked(what, x.size, wire, tag, [(sends, recvs)])
     except BaseException as e:
       # The partner's own error (a WorkerLostError naming it, a timeout).
       self._failure = e if isinstance(e, Exception) else WorkerLostError(
@@ -520,6 +621,58 @@ class SocketRing:
           f"interrupted ({e!r}); the ring is out of step and closed")
       self._close_locked()
       raise
+
+  def _moves(self, plan: _Plan, x: pieces.Pieces,
+             out: pieces.Pieces, wire: str
+             ) -> Iterator[tuple[int, list, list]]:
+    """Each step's ``(peer, sends, recvs)`` for `exchange.Link.exchange`,
+    in blocks of ``block_bytes``: a block is encoded just before it is
+    sent, and a received one added (or stored) as soon as it is in.
+
+    A span is read from ``x`` until received into, then from ``out``
+    (`tfdist.ring.schedule.sources`), so ``out`` may be ``x``. With a
+    compressed wire, a rank that sends a value its peer stores keeps the
+    rounding too (the same bits everywhere), and a span stored at one
+    step and sent at the next is forwarded as it came.
+    """
+    compressed, block = wire != "float32", self._block
+    bufs = self._wire(wire, plan.longest)
+    previous = None
+    for k, (step, (send_x, add_x)) in enumerate(
+        zip(plan.steps, plan.sources)):
+      send_buf, recv_buf = bufs[(k + 1) % 2], bufs[k % 2]
+      src, base = x if send_x else out, x if add_x else out
+      (slo, shi), (rlo, rhi) = step.send, step.recv
+      forward = (compressed and previous is not None and not previous.add
+                 and previous.recv == step.send)
+      overlap = slo < rhi and rlo < shi  # Adds wait for what they overwrite.
+      sends, ends = [], []
+      for lo, hi in blocks(step.send, block):
+        if forward:
+          sends.append(functools.partial(as_bytes,
+                                         send_buf[lo - slo:hi - slo]))
+        elif compressed:
+          sends.append(functools.partial(
+              _encode, src.views(lo, hi), send_buf[lo - slo:hi - slo],
+              None if step.add else out.views(lo, hi)))
+        else:
+          sends.extend(functools.partial(as_bytes, v)
+                       for _, v in src.views(lo, hi))
+        if overlap:
+          ends.append((lo, hi, len(sends) - 1))
+      recvs = []
+      for lo, hi in blocks(step.recv, block):
+        if not (compressed or step.add):
+          recvs.extend((as_bytes(v), None, -1) for _, v in out.views(lo, hi))
+          continue
+        part = recv_buf[lo - rlo:hi - rlo]
+        recvs.append((as_bytes(part), functools.partial(
+            _land, part, self._widened if compressed else None,
+            base.views(lo, hi) if step.add else None, out.views(lo, hi)),
+                      max((i for a, b, i in ends if a < hi and lo < b),
+                          default=-1) if overlap else -1))
+      yield (step.source if step.to is None else step.to), sends, recvs
+      previous = step
 
   def _pair(self, partner: int) -> "SocketRing":
     """The ring of two joining this rank and ``partner`` (made once)."""
@@ -537,7 +690,7 @@ class SocketRing:
           source=self._source, secret=self._secret,
           ports=self._ports_text,
           authenticate_values=self._authenticate_values,
-          threaded_bytes=self._threaded_bytes)
+          threaded_bytes=self._threaded_bytes, schedule="ring")  # Unmeasured.
       self._pairs[partner] = pair
     return pair
 
@@ -563,6 +716,9 @@ class SocketRing:
       sends = [lambda: header]
       recvs = [(head_in, lambda: self._check_header(head_in, header), 0)]
       for step_sends, step_recvs in moves:
+        if sends:  # The header is sent first: the step's sends move up one.
+          step_recvs = [(b, done, after + 1 if after >= 0 else after)
+                        for b, done, after in step_recvs]
         self._link.exchange(sends + step_sends, recvs + step_recvs)
         sends, recvs = [], []
     except exchange.PeerLost as e:
@@ -619,3 +775,29 @@ class SocketRing:
     self._link = None
     for pair in self._pairs.values():
       pair.close()
+
+
+def _encode(views: list[tuple[int, np.ndarray]], into: np.ndarray,
+            keep: list[tuple[int, np.ndarray]] | None) -> memoryview:
+  """Rounds float32 ``views`` (offset, values) into the wire buffer
+  ``into``, and widens the rounding back into ``keep`` (the same span)."""
+  for at, v in views:
+    encode(v, into[at:at + v.size])
+  for at, v in keep or ():
+    decode(into[at:at + v.size], v)
+  return as_bytes(into)
+
+
+def _land(received: np.ndarray, widened: np.ndarray | None,
+          xs: list[tuple[int, np.ndarray]] | None,
+          outs: list[tuple[int, np.ndarray]]) -> None:
+  """A received block: ``outs = xs + received`` (`pieces.add`), or, with
+  ``xs`` ``None``, ``outs = received``; widened first from a compressed
+  wire (into ``widened`` for the sum)."""
+  if xs is None:
+    for at, o in outs:
+      decode(received[at:at + o.size], o)
+    return
+  if widened is not None:
+    received = decode(received, widened[:received.size])
+  pieces.add(received, xs, outs)
