@@ -63,7 +63,8 @@ def check_report(test: absltest.TestCase, report: dict, *, n: int,
       test.assertAlmostEqual(row["measured_vs_model"],
                              row["measured_s"] / row["model_s"])
     rule = size["rule"]
-    test.assertEqual(rule["pick"], socket_ring.choose(n, nbytes), kb)
+    test.assertEqual(rule["pick"], socket_ring.choose(
+        n, nbytes, **report["rule_link"]), kb)
     fastest = min(rows, key=lambda s, r=rows: r[s]["measured_s"])
     test.assertEqual(size["best"]["measured"], fastest)
     test.assertEqual(size["best"]["model"],
@@ -206,6 +207,7 @@ def raw_figures(*, seconds: dict[str, float], pick: str, cpu_s: list[float],
   return {"ranks": 2, "cores": 2, "relay": None,
           "link": {"bytes_per_s": 1e6, "by_rank": [1e6, 1.1e6],
                    "hop_latency_s": 1e-5},
+          "rule_link": {"latency_s": 1e-5, "bytes_per_s": 1e6},
           "sizes": {"4096": {"seconds": seconds, "pick": pick,
                              "cpu_s": cpu_s, "wall_s": [2.0, 1.5],
                              "digests": digests}}}

@@ -163,7 +163,8 @@ def report(raw: dict) -> dict:
 
   Returns:
     ``ranks``, ``cores``, ``link``, ``relay`` (``None``, or its delay,
-    hop latencies and the figures it ``carried``), ``alpha_s`` and
+    hop latencies and the figures it ``carried``), ``rule_link`` (what the
+    rule's ring measured as it connected: `SocketRing.link`), ``alpha_s`` and
     ``bytes_per_s`` (the model's), ``same_bits`` (every rank's result
     hashes agree for every ring and size; ``differing`` names any that do
     not), ``sizes`` by KiB: ``schedules`` (each with ``measured_s``,
@@ -180,7 +181,8 @@ def report(raw: dict) -> dict:
   if relay:
     relay = {**relay, "carried": ["alpha_s", "sizes"]}  # Not B.
   out = {"ranks": n, "cores": raw["cores"], "link": link, "relay": relay,
-         "alpha_s": alpha, "bytes_per_s": rate, "sizes": {}}
+         "rule_link": raw["rule_link"], "alpha_s": alpha, "bytes_per_s": rate,
+         "sizes": {}}
   differing = []
   for kb, got in raw["sizes"].items():
     nbytes = int(kb) << 10
@@ -310,6 +312,7 @@ def sweep(*, rank: int, hosts: Sequence[str], rendezvous: Rendezvous,
     rendezvous.publish(f"{key}/result/{rank}", json.dumps(mine))
     ranks = [json.loads(rendezvous.lookup(f"{key}/result/{r}", timeout_s))
              for r in range(len(hosts))]
+    rule_link = rings[RULE].link
   finally:
     for r in rings.values():
       r.close()
@@ -324,7 +327,8 @@ def sweep(*, rank: int, hosts: Sequence[str], rendezvous: Rendezvous,
                             for name in got["digests"]}}
            for kb, got in mine.items()}
   return {"ranks": len(hosts), "cores": len(os.sched_getaffinity(0)),
-          "link": link, "relay": relayed, "sizes": sizes}
+          "link": link, "relay": relayed, "rule_link": rule_link,
+          "sizes": sizes}
 
 
 def _timed(rings: dict, *, kb: int, windows: int, ranks: int,
