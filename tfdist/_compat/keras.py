@@ -38,11 +38,6 @@ all-reduce and variable updates span the replicas). The first `fit`,
 `evaluate` or `predict` refuses it with the error `Host.refusal` builds
 (`tfdist.ConfigError` from `make_strategy`), rather than training without XLA
 behind the user's back.
-
-Example:
-  >>> from tfdist._compat import keras as keras_compat
-  >>> keras_compat.apply()
-  ('atomic_assign_add', 'distributed_input_autotune', ...)
 """
 
 from __future__ import annotations

@@ -59,8 +59,7 @@ class LaunchSpec:
     evaluator: add an ``evaluator`` task.
     host: the address written in every task's TF_CONFIG, ``127.0.0.1`` by
       default: a loopback address, or an address or name of this machine
-      (checked by `preflight`). TensorFlow's gRPC server listens on every
-      interface whatever it says.
+      (checked by `preflight`).
     port_base: first port; consecutive ports from there must be free (checked
       by `preflight`). Free ports are picked when ``None``.
     log_dir: also write each task's output to ``<log_dir>/<type>-<index>.log``
@@ -83,9 +82,7 @@ class LaunchSpec:
     node_rank: this node's rank, 0 to MAX - 1; node 0 runs the rendezvous
       (`tfdist.launch.rendezvous`) and holds the chief.
     last_call_seconds: how long each round of an elastic job waits for
-      more nodes once MIN have joined, before it starts without them (a
-      round after a restart starts at once when every node still connected
-      joined again).
+      more nodes once MIN have joined, before it starts without them.
     run_id: the job's name, the same on every node (``TFDIST_RUN_ID`` in
       every task): letters, digits, ``-``, ``_`` and ``.``. By default the
       first 12 hex digits of a SHA-256 of the job secret (`run_id_of`).

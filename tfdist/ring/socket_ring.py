@@ -39,12 +39,10 @@ segments (`tfdist.ring.schedule`): each process sends and receives
   past.
 * **Security** (`tfdist._secret.Gate`, `tfdist.ring.auth`): with a job
   secret (``secret``, or ``TFDIST_JOB_SECRET``) every connection proves
-  both ends hold it, by challenge and response with fresh nonces, so a
-  stranger, or a recorded hello replayed, is dropped; with
-  ``authenticate_values`` every step's
-  bytes also carry an HMAC-SHA256 tag, checked before anything computed
-  from them is sent on or returned. Without a secret the ring logs once
-  that it is unauthenticated. Nothing is encrypted.
+  both ends hold it (challenge and response, fresh nonces); with
+  ``authenticate_values`` every step's bytes carry an HMAC-SHA256 tag,
+  checked before use. Without a secret the ring logs once that it is
+  unauthenticated. Nothing is encrypted.
 * **Ordering check**: every call starts with a header
   (`tfdist.ring.wire`) that must match the left neighbour's, so
   processes that call in a different order fail loudly instead of adding
@@ -55,9 +53,7 @@ segments (`tfdist.ring.schedule`): each process sends and receives
   call is bounded, so nothing waits forever. After a failure the ring is
   closed and every later call raises the same error.
 
-Pure Python, numpy and ``ml_dtypes`` (for bfloat16, a TensorFlow
-dependency); no TensorFlow here (`tfdist.strategy.transport` connects it to a
-strategy).
+Pure Python, numpy and ``ml_dtypes`` (bfloat16); no TensorFlow here.
 
 Example (one process per rank; ``rendezvous`` shared, e.g. TensorFlow's
 coordination service)::

@@ -27,14 +27,8 @@ Sparse gradients (an ``Embedding``'s ``IndexedSlices``) keep TensorFlow's
 collectives by default, which gather the rows a step touched; the ring
 would carry the whole table, made dense, every step.
 
-Why: measured side by side in one bench run each (docs/benchmarks.md), the
-ring moved float32 gradients faster than TensorFlow's collectives at every
-size from 1 to 64 MiB: 4 to 5 times on loopback, 0.88-0.98 of a 1 Gbit/s
-link against 0.63-0.82, and up to ten times at 10 Gbit/s. Every worker
-applies the rule to the same strategy and environment, so all choose alike.
-
-This face gathers the public names of the five modules `tfdist.strategy`
-lists below it.
+Every worker applies the rule to the same strategy and environment, so all
+choose alike; why the ring is the default on CPUs: docs/benchmarks.md.
 
 The ``socket`` transport, step by step:
 
