@@ -46,6 +46,13 @@ ONE_FAILS = ("import json, os, sys, time; "
              "i = json.loads(os.environ['TF_CONFIG'])['task']['index']; "
              "time.sleep(1 if i else 600); sys.exit(3)")
 STALL_JOB = os.path.join(cluster_utils.SCRIPTS, "stall_job.py")
+
+
+def _sleep_line() -> int:
+  """The line of stall_job.py where worker K sleeps (``SLEEP_LINE``)."""
+  with open(STALL_JOB) as f:
+    return next(i for i, line in enumerate(f, 1)
+                if "SLEEP_LINE" in line and "time.sleep" in line)
 #: In round 0 worker 2 kills its node's launcher (a lost node); every other
 #: task waits to be stopped. In later rounds each says what it sees.
 ELASTIC_TASK = """import json, os, signal, time
@@ -251,11 +258,23 @@ class TwoNodeSlurmTest(absltest.TestCase):
           f"--export=ALL,PYTHONPATH={cluster_utils.REPO},"
           f"TFDIST_COMMAND={sys.executable} {STALL_JOB} collective 6 "
           "--slow-worker 1 --at 5"], timeout=400)
-    # Worker 1, on node2, sleeps in a callback: node 0's launcher prints
-    # the report when worker 0's collective times out, and every node stops.
-    self.assertRegex(out, r"tfdist: stall report \(worker:0 exited 1: "
-                          r"(DeadlineExceededError|WorkerLostError)", job)
+    # Worker 1, on node2, sleeps in a callback: node 0's launcher prints one
+    # report of both nodes when worker 0's collective times out, naming the
+    # sleeper's line, and every node stops.
+    self.assertRegex(out, r"tfdist: stall report \(node 0: worker:0 exited "
+                          r"1: (DeadlineExceededError|WorkerLostError)", job)
+    report = out[out.index("tfdist: stall report"):].splitlines()
+    self.assertIn("behind: worker:1 (by 1 step, at step 5)", report[0])
+    at = next(i for i, l in enumerate(report)
+              if l.startswith("  worker:1 on node 1: "))
+    self.assertTrue(report[at].startswith(
+        "  worker:1 on node 1: step 5, BEHIND by 1 step; "), report)
+    self.assertTrue(report[1].startswith("  worker:0 on node 0: step 6;"),
+                    report)
+    self.assertIn(f"{STALL_JOB}:{_sleep_line()} in on_train_batch_end",
+                  report[at + 1])
     self.assertIn("tfdist: node 1 stops: task worker:0 on node 0 failed", out)
+    print(f"\nstall report of SLURM job {job}:\n" + "\n".join(report[:12]))
 
   def _scontrol(self, *args: str) -> str:
     return subprocess.run(

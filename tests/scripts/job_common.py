@@ -27,7 +27,7 @@ def local_ps_cluster(num_workers: int, num_ps: int = 1) -> dict:
   about 10 runs of this suite.)
   """
   from tfdist import _net  # pylint: disable=g-import-not-at-top
-  from tfdist.launch import local  # pylint: disable=g-import-not-at-top
+  from tfdist.launch import workers  # pylint: disable=g-import-not-at-top
   ports = _net.free_ports(num_workers + num_ps + 1)
   jobs = {"chief": [f"127.0.0.1:{ports[0]}"],
           "ps": [f"127.0.0.1:{p}" for p in ports[1:num_ps + 1]],
@@ -39,7 +39,7 @@ def local_ps_cluster(num_workers: int, num_ps: int = 1) -> dict:
           [sys.executable, "-c", "import tfdist; tfdist.serve()"],
           env=_net.child_env({"TF_CONFIG": json.dumps(config)}),
           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-          preexec_fn=local._die_with(os.getpid()))  # pylint: disable=protected-access
+          preexec_fn=workers._die_with(os.getpid()))  # pylint: disable=protected-access
   return {"cluster": jobs, "task": {"type": "chief", "index": 0}}
 
 

@@ -231,12 +231,14 @@ class Launcher:
     return line
 
   def _on_signal(self, signum, frame) -> None:
-    """Forwards the first signal; a second one kills the tasks at once."""
+    """Forwards the first signal; a second one kills the tasks at once, but
+    SIGTERM after SIGUSR1 (SLURM ending a job it told to save, or
+    requeueing it) leaves them their grace to finish saving."""
     del frame
-    again = self._signal is not None
-    self._signal = self._signal or signum
+    first, self._signal = self._signal, self._signal or signum
     self._stopping.set()
-    self._workers.signal(signal.SIGKILL if again else _FORWARDED[signum])
+    if (first, signum) != (signal.SIGUSR1, signal.SIGTERM):
+      self._workers.signal(signal.SIGKILL if first else _FORWARDED[signum])
 
   def _on_report(self, signum, frame) -> None:
     """SIGUSR2: the stall report, made by the round's loop."""
