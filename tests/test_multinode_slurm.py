@@ -48,6 +48,18 @@ ONE_FAILS = ("import json, os, sys, time; "
 STALL_JOB = os.path.join(cluster_utils.SCRIPTS, "stall_job.py")
 
 
+def _job_script(path: str, *, nodes: str) -> str:
+  """Writes `tfdist slurm`'s multi_worker_mirrored script for ``nodes``
+  (CPU only, one CPU a task) at ``path``."""
+  subprocess.run(
+      [sys.executable, "-m", "tfdist", "slurm", "--preset",
+       "multi_worker_mirrored", "--nodes", nodes, "--gpus-per-node", "0",
+       "--cpus-per-task", "1", "--time", "00:10:00", "-o", path],
+      check=True, timeout=60, env=cluster_utils.base_env(),
+      cwd=cluster_utils.REPO)
+  return path
+
+
 def _sleep_line() -> int:
   """The line of stall_job.py where worker K sleeps (``SLEEP_LINE``)."""
   with open(STALL_JOB) as f:
@@ -246,13 +258,7 @@ class TwoNodeSlurmTest(absltest.TestCase):
 
   def test_a_stalled_job_reports_in_its_output_file(self):
     with tempfile.TemporaryDirectory() as d:
-      script = os.path.join(d, "job.sbatch")
-      subprocess.run(
-          [sys.executable, "-m", "tfdist", "slurm", "--preset",
-           "multi_worker_mirrored", "--nodes", "2", "--gpus-per-node", "0",
-           "--cpus-per-task", "1", "--time", "00:10:00", "-o", script],
-          check=True, timeout=60, env=cluster_utils.base_env(),
-          cwd=cluster_utils.REPO)
+      script = _job_script(os.path.join(d, "job.sbatch"), nodes="2")
       os.chmod(d, 0o755)
       job, out = self.slurm.sbatch(script, args=[
           f"--export=ALL,PYTHONPATH={cluster_utils.REPO},"
@@ -375,13 +381,7 @@ class TwoNodeSlurmTest(absltest.TestCase):
     self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
     os.chmod(directory, 0o755)
     reference = fault_runs.reference()
-    script = os.path.join(directory, "job.sbatch")
-    subprocess.run(
-        [sys.executable, "-m", "tfdist", "slurm", "--preset",
-         "multi_worker_mirrored", "--nodes", "1-2", "--gpus-per-node", "0",
-         "--cpus-per-task", "1", "--time", "00:10:00", "-o", script],
-        check=True, timeout=60, env=cluster_utils.base_env(),
-        cwd=cluster_utils.REPO)
+    script = _job_script(os.path.join(directory, "job.sbatch"), nodes="1-2")
     first_nodes, state, restarts, second_nodes, first, second = (
         self._fault_job_requeued(directory, [script], ranks=2,
                                  drain=lambda nodes: "node1"))
