@@ -176,7 +176,7 @@ class Launcher:
       message = member.poll(timeout=0.1)
       if self._signal is not None:
         continue  # It came meanwhile: said at the loop's top.
-      self._flight.watch(self._pids(), self._tails(), message)
+      self._flight.watch(workers.pids(), workers.tails(), message)
       if isinstance(message, rounds.Finish):
         bad = workers.finish_evaluator()
         workers.stop()
@@ -201,8 +201,8 @@ class Launcher:
             t.role, code, t.tail,
             restarting=placed.failures < placed.max_restarts)
         if dump is not None:  # Asked before any node stops its tasks.
-          self._flight.failed(t.role, code, dump, self._pids(),
-                              self._tails())
+          self._flight.failed(t.role, code, dump, workers.pids(),
+                              workers.tails())
         member.send(rounds.Failed(role=t.role, code=code,
                                   attempt=placed.attempt,
                                   peer_lost=dump is not None))
@@ -250,12 +250,6 @@ class Launcher:
     """Node 0: a node's answer to a stall report's ask."""
     if self._flight is not None:
       self._flight.merge(rank, message)
-
-  def _pids(self) -> dict[str, int]:
-    return self._workers.pids()
-
-  def _tails(self) -> dict[str, list[str]]:
-    return self._workers.tails()
 
   def _sleep(self, seconds: float) -> bool:
     """Sleeps ``seconds`` unless a signal comes; whether none came."""
