@@ -51,6 +51,7 @@ from collections.abc import Mapping
 
 from tfdist import _net
 from tfdist.cluster import names
+from tfdist.cluster import requeue
 from tfdist.cluster.hostlist import expand_hostlist, expand_tasks_per_node
 from tfdist.cluster.info import JOB_NAMES, ClusterInfo, SlurmInfo
 from tfdist.errors import ConfigError
@@ -298,8 +299,7 @@ def launch_fields(environ: Environ | None = None, *, tasks: int,
   first = info.cluster["worker"][0]
   master, port = _net.split_address(
       names.resolve_names(info, environ=env).cluster["worker"][0])
-  job = (f"{step.array_job_id}_{step.array_task_id}" if step.array_task_id
-         else step.job_id)
+  job = requeue.job_to_requeue(env)  # The array element's id, else the job's.
   nodes = len(step.nodes)
   where = "" if first.startswith(f"{master}:") else ", its NodeAddr"
   line = (f"from SLURM job {job}: --nnodes {nodes} (the step's nodes), "
