@@ -21,6 +21,7 @@ import pytest
 
 import stalls
 import tfdist
+from tfdist import _process
 from tfdist import _secret
 from tfdist import perf
 from tfdist.ring import connection
@@ -493,7 +494,7 @@ class AddressTest(parameterized.TestCase):
                              f"{name} resolves to {address} here")
 
   def test_no_secret_warns_once_and_still_works(self):
-    socket_ring._warned_unauthenticated = False
+    _process._counters.pop(("once", "unauthenticated ring"), None)
     with self.assertLogs("absl", "WARNING") as logs:
       results = _sum_of_ranks(_rings(2, LocalRendezvous(), secret=None))
     np.testing.assert_array_equal(results[1], np.full(5000, 3.0))

@@ -75,6 +75,7 @@ import numpy as np
 
 from tfdist import _flight
 from tfdist import _net
+from tfdist import _process
 from tfdist.errors import ConfigError
 from tfdist.errors import WorkerLostError
 from tfdist.ring import auth
@@ -126,8 +127,6 @@ _TIE = 1e-9
 #: of small then large exchanges; figures that took longer are dropped.
 _PROBES = ((8, 20), (1 << 20, 3))
 _MEASURE_S = 1.0
-
-_warned_unauthenticated = False
 
 
 @functools.lru_cache(maxsize=1024)
@@ -458,10 +457,8 @@ class SocketRing:
                               bytes_per_s=float(1 / figures[:, 1].max()))
 
   def _warn_unauthenticated(self) -> None:
-    global _warned_unauthenticated
-    if self._secret or _warned_unauthenticated:
+    if self._secret or not _process.once("unauthenticated ring"):
       return
-    _warned_unauthenticated = True
     logging.warning(
         "socket transport: the ring is unauthenticated: any process that "
         "reaches its ports can join it. Set %s to the same secret on every "
