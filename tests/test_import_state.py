@@ -12,6 +12,7 @@ import sys
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 import tfdist
 from tfdist.strategy import clean_exit
@@ -46,6 +47,9 @@ print(json.dumps({"before": before, "after": snapshot()}))
 """
 
 _KERAS = ("absl.logging", "tensorflow", "keras")
+
+
+pytestmark = pytest.mark.beside  # tests/conftest.py: one short process a test.
 
 
 class ImportChangesNothingTest(parameterized.TestCase):

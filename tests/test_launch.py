@@ -457,6 +457,7 @@ class LaunchTest(parameterized.TestCase):
     self.assertEqual(sums, [3.0, 3.0])
 
 
+@pytest.mark.beside  # tests/conftest.py: one short command a test.
 class LaunchBadInputTest(parameterized.TestCase):
   """Exit 2 with one 'tfdist:' line, before anything starts."""
 

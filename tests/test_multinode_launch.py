@@ -316,45 +316,41 @@ class NodeMatchTest(parameterized.TestCase):
       f.write("# Edited on node 1 only.\n")
     return [sys.executable, path, "envwait", "5"]
 
-  @parameterized.named_parameters(
-      ("another_keras", "envs", "Keras {theirs} on node 1, {ours} on node 0"
-       + _RUNS),
-      ("an_edited_script", "launched",
-       "script launch_task.py (sha256 {theirs}) on node 1, launch_task.py "
-       "(sha256 {ours}) on node 0" + _RUNS),
-      ("another_nnodes", ["--nnodes", "1:3"],
-       "--nnodes 1:3 on node 1, 1:2 on node 0" + _SETTINGS),
-      ("another_run_id", ["--run-id", "other"],
-       f"--run-id other on node 1, {spec_lib.run_id_of(SECRET)} on node 0"
-       + _SETTINGS),
-  )
-  def test_refused_on_both_sides_and_the_job_goes_on(self, what, why):
-    """Node 1 differs in what it runs, or in its flags (``what``)."""
-    other, ours, theirs, flags = {}, "", "", []
-    if what == "envs":
-      other = {"envs": {1: self._other_keras()}}
-      ours, theirs = importlib.metadata.version("keras"), OTHER_KERAS
-    elif what == "launched":
-      other = {"launched": {1: self._edited_script()}}
-      ours, theirs = (fingerprint.take([sys.executable, p])["script"]
-                      ["sha256"][:12] for p in (TASK, other["launched"][1][1]))
-    else:
-      flags = what
-    # Node 0 runs 10 s or more: node 1 is in well before it ends.
-    tasks, _ = _nodes([[], flags], nnodes="1:2", mode=["envwait", "5"],
-                      extra=["--last-call-seconds", "5"], **other)
+  def test_each_differing_node_is_refused_on_both_sides_and_the_job_goes_on(
+      self):
+    """Nodes 1-4 each differ from node 0 in one thing: the Keras release,
+    the script, --nnodes, --run-id; one job (``--nnodes 1:5``)."""
+    keras_ours = importlib.metadata.version("keras")
+    edited = self._edited_script()
+    script_ours, script_theirs = (
+        fingerprint.take([sys.executable, p])["script"]["sha256"][:12]
+        for p in (TASK, edited[1]))
+    whys = {
+        1: f"Keras {OTHER_KERAS} on node 1, {keras_ours} on node 0" + _RUNS,
+        2: f"script launch_task.py (sha256 {script_theirs}) on node 2, "
+           f"launch_task.py (sha256 {script_ours}) on node 0" + _RUNS,
+        3: "--nnodes 1:4 on node 3, 1:5 on node 0" + _SETTINGS,
+        4: f"--run-id other on node 4, {spec_lib.run_id_of(SECRET)} on node 0"
+           + _SETTINGS}
+    layouts = [[], [], [], ["--nnodes", "1:4"], ["--run-id", "other"]]
+    # Node 0 runs 10 s or more: every node is in well before it ends.
+    tasks, _ = _nodes(layouts, nnodes="1:5", mode=["envwait", "5"],
+                      extra=["--last-call-seconds", "5"],
+                      envs={1: self._other_keras()}, launched={2: edited})
     with tasks:
       codes = tasks.wait_all(90)
-      outs = [tasks.stdout(0), tasks.stdout(1)]
-    self.assertEqual(codes, [0, 2], outs)
-    why = why.format(ours=ours, theirs=theirs)
+      outs = [tasks.stdout(r) for r in range(5)]
+    self.assertEqual(codes, [0, 2, 2, 2, 2], outs)
     said = [[l for l in out.splitlines() if l.startswith("tfdist: ")]
             for out in outs]
-    self.assertEqual(said, [[f"tfdist: rendezvous: refused node 1: {why}"],
-                            [f"tfdist: node 1: node 0 refused this node: "
-                             f"{why}"]], outs)
+    self.assertCountEqual(
+        said[0], [f"tfdist: rendezvous: refused node {r}: {why}"
+                  for r, why in whys.items()], outs[0])
+    for r, why in whys.items():
+      self.assertEqual(said[r], [f"tfdist: node {r}: node 0 refused this "
+                                 f"node: {why}"], outs[r])
+      self.assertNotIn("role=", outs[r])  # Nothing started there.
     self.assertIn("[worker:0] env=", outs[0])  # The job went on.
-    self.assertNotIn("role=", outs[1])  # Nothing started on node 1.
 
   def test_other_arguments_alone_are_one_warning(self):
     tasks, _ = _nodes([[], []], launched={

@@ -81,17 +81,10 @@ class RulesTest(parameterized.TestCase):
          "no mount"])
 
 
-@pytest.mark.timeout(300)
-class SessionTest(parameterized.TestCase):
-  """Real pytest sessions with tests/conftest.py, in one process and in two
-  streams (xdist's controller gathers the skips)."""
+class _Session(parameterized.TestCase):
+  """Real pytest sessions with tests/conftest.py."""
 
-  @parameterized.named_parameters(
-      ("one_process", ["-n", "0"], True),
-      ("two_streams", ["-n", "2", "--dist", "loadgroup"], True),
-      ("variable_unset", ["-n", "0"], False),
-  )
-  def test_session(self, options, variable):
+  def _session(self, options, variable):
     env = cluster_utils.base_env(
         {"PYTHONPATH": os.pathsep.join([TESTS, cluster_utils.REPO])})
     env.pop(root_skips.VARIABLE, None)
@@ -118,3 +111,21 @@ class SessionTest(parameterized.TestCase):
       self.assertEqual(named[0], "test_bed_skips.py::BedTest::test_bed (the "
                                  "network bed): no bed here")
       self.assertNotIn("PlainTest", "\n".join(named))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.beside  # tests/conftest.py: one short pytest process a test.
+class OneProcessSessionTest(_Session):
+
+  @parameterized.named_parameters(("variable_set", True),
+                                  ("variable_unset", False))
+  def test_session(self, variable):
+    self._session(["-n", "0"], variable)
+
+
+@pytest.mark.timeout(300)
+class TwoStreamsSessionTest(_Session):
+  """xdist's controller gathers the skips of both streams."""
+
+  def test_session(self):
+    self._session(["-n", "2", "--dist", "loadgroup"], True)
