@@ -59,16 +59,7 @@ def _keras_fit_launch_with_model_dir():
 
 @pytest.mark.timeout(900)
 class ExamplesTest(parameterized.TestCase):
-
-  @parameterized.named_parameters(
-      ("keras_fit", "keras_fit.py"),
-      ("custom_loop", "custom_loop.py"),
-  )
-  def test_on_this_machine(self, example):
-    r = _run(_command(example))
-    self.assertEqual(r.returncode, 0, r.stderr[-3000:])
-    self.assertIn("final metrics:", r.stdout)
-    self.assertIn("val_accuracy", r.stdout)
+  """Each example across processes, under `tfdist launch`."""
 
   @parameterized.named_parameters(
       ("keras_fit", "keras_fit.py", ["--workers", "2"]),
@@ -91,6 +82,22 @@ class ExamplesTest(parameterized.TestCase):
     r, written = _keras_fit_launch_with_model_dir()
     self.assertEqual(r.returncode, 0, r.stdout[-3000:])
     self.assertEqual(written, ["tensorboard"])  # Backup gone.
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.beside  # tests/conftest.py: one process a test.
+class OnThisMachineTest(parameterized.TestCase):
+  """Each example as one process (MirroredStrategy), as on Colab."""
+
+  @parameterized.named_parameters(
+      ("keras_fit", "keras_fit.py"),
+      ("custom_loop", "custom_loop.py"),
+  )
+  def test_on_this_machine(self, example):
+    r = _run(_command(example))
+    self.assertEqual(r.returncode, 0, r.stderr[-3000:])
+    self.assertIn("final metrics:", r.stdout)
+    self.assertIn("val_accuracy", r.stdout)
 
   def test_tpu_vm_command_stops_at_tpu_system_initialization(self):
     r = _run(_command("keras_fit.py", "--strategy=tpu", "--tpu=local"))

@@ -227,6 +227,12 @@ class MultiProcessStrategyTest(parameterized.TestCase):
     self.assertEqual(out["results"], 20.0)
     self.assertIn("/job:ps/", out["variable_device"])
 
+
+@pytest.mark.timeout(240)
+@pytest.mark.beside  # tests/conftest.py: one process at a time.
+class OneProcessScriptTest(absltest.TestCase):
+  """Scripts of one process each: what only a fresh process shows."""
+
   def test_two_mirrored_strategies_in_one_process(self):
     ours = cluster_utils.run_script("two_mirrored.py", args=["tfdist"])
     self.assertEqual(ours.returncode, 0, ours.stderr[-3000:])
