@@ -108,6 +108,7 @@ def _tree(root):
   return out
 
 
+@pytest.mark.beside  # In this process.
 @pytest.mark.timeout(300)
 class BackupDirTest(parameterized.TestCase):
 

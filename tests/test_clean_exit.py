@@ -114,6 +114,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.beside  # One short process at a time.
 class EndTest(parameterized.TestCase):
   """Only a clean end (exit status 0) waits at the exit barrier."""
 

@@ -216,7 +216,7 @@ class RelaunchTest(absltest.TestCase):
     with tempfile.TemporaryDirectory() as d:
       with cluster_utils.Tasks(
           commands=[[sys.executable, "-m", "tfdist", "launch", "--workers",
-                     "2", "--max-restarts", "1", "--grace-seconds", "5", "--",
+                     "2", "--max-restarts", "1", "--grace-seconds", "2", "--",
                      sys.executable, os.path.join(cluster_utils.SCRIPTS, JOB),
                      "multi_worker_mirrored", "fit", os.path.join(d, "b"),
                      "--sleep", "0.2"]],

@@ -7,6 +7,7 @@ exactly the steps due and the weights of an uninterrupted run.
 """
 
 import concurrent.futures
+import json
 import os
 import re
 import shutil
@@ -129,27 +130,39 @@ class PreemptionTest(parameterized.TestCase):
 
 @pytest.mark.timeout(180)
 class AgreementTest(parameterized.TestCase):
-  """Workers agree about once per check_seconds, at the same steps."""
+  """Workers agree about once per check_seconds, at the same steps.
+
+  One cluster runs both watchers, one after the other (agreement.py).
+  """
+
+  SLEEP, SIGNAL_AT = 0.01, 60  # 10 ms steps; the signal at step 60.
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.results = cluster_utils.run_cluster(
+        "agreement.py", cluster_utils.worker_configs(2),
+        args=[str(cls.SLEEP), str(cls.SIGNAL_AT), "0.2", "0.0"], timeout=150)
 
   @parameterized.named_parameters(
-      # 10 ms steps, agreements every ~0.2 s: about one per 20 steps.
-      ("rare_agreements", 0.2, 0.01, 60, 20),
+      # Agreements every ~0.2 s: about one per 20 steps.
+      ("rare_agreements", 0, 0.2, 20),
       # check_seconds=0: an agreement at every step, as before.
-      ("every_step", 0.0, 0.01, 60, 1),
+      ("every_step", 1, 0.0, 1),
   )
-  def test_same_stop_step_with_few_all_reduces(self, check, sleep, signal_at,
+  def test_same_stop_step_with_few_all_reduces(self, index, check,
                                                steps_per_agreement):
-    results = cluster_utils.run_cluster(
-        "agreement.py", cluster_utils.worker_configs(2),
-        args=[str(check), str(sleep), str(signal_at)], timeout=150)
-    outs = [r.json() for r in results]
-    for r in results:
+    for r in self.results:
       self.assertEqual(r.returncode, 0, r.stderr[-3000:])
+    outs = [[json.loads(line) for line in r.stdout.splitlines()
+             if line.startswith("{")][index] for r in self.results]
+    self.assertEqual(outs[0]["check_seconds"], check)
     # Both stop at one step, at or after the signal, within one interval.
     self.assertEqual(outs[0]["stopped"], outs[1]["stopped"])
     self.assertEqual(outs[0]["agreements"], outs[1]["agreements"])
     stopped = outs[0]["stopped"]
-    self.assertBetween(stopped, signal_at, signal_at + 3 * steps_per_agreement)
+    self.assertBetween(stopped, self.SIGNAL_AT,
+                       self.SIGNAL_AT + 3 * steps_per_agreement)
     if steps_per_agreement == 1:
       self.assertEqual(outs[0]["agreements"], stopped)
     else:

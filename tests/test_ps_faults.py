@@ -279,6 +279,7 @@ class ServersEndTest(absltest.TestCase):
     self.assertIn(f"ps:0: the chief at {chief} did not start within 3 s", err)
 
 
+@pytest.mark.beside
 class ErrorMappingTest(parameterized.TestCase):
   """fit's mapping of TensorFlow's lost-peer errors, without a cluster."""
 

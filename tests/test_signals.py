@@ -37,6 +37,7 @@ def _nothing_written(path: str) -> bool:
   return not os.path.exists(path) or not os.listdir(path)
 
 
+@pytest.mark.beside  # One process, without a cluster.
 @pytest.mark.timeout(300)
 class BeforeTrainingTest(parameterized.TestCase):
   """Nothing exists to save yet: exit with the signal's code, saying so."""
@@ -63,6 +64,11 @@ class BeforeTrainingTest(parameterized.TestCase):
       self.assertNotIn("Traceback", err)
       self.assertTrue(_nothing_written(backup))
 
+
+@pytest.mark.timeout(300)
+class BlockedStartupTest(parameterized.TestCase):
+  """A signal while MultiWorkerMirrored start-up waits: nothing to save yet."""
+
   @parameterized.named_parameters(
       ("sigusr1_exits_42", signal.SIGUSR1, PREEMPTED_EXIT_CODE),
       ("sigint_ends_by_sigint", signal.SIGINT, -signal.SIGINT),
@@ -87,7 +93,7 @@ class BeforeTrainingTest(parameterized.TestCase):
 
 @pytest.mark.timeout(300)
 class SigintTest(absltest.TestCase):
-  """Ctrl-C saves at the next step and exits 130; a second one at once."""
+  """Ctrl-C saves at the next step and exits 130."""
 
   def test_sigint_saves_exits_130_and_resumes(self):
     with tempfile.TemporaryDirectory() as d:
@@ -109,6 +115,12 @@ class SigintTest(absltest.TestCase):
     self.assertEqual(steps[0], saved + 1)  # Resumed, not started over.
     self.assertEqual(result.json()["iterations"], fault_runs.STEPS)
 
+
+@pytest.mark.beside  # One process, without a cluster.
+@pytest.mark.timeout(300)
+class SecondSigintTest(absltest.TestCase):
+  """A second Ctrl-C ends the process at once."""
+
   def test_second_sigint_exits_at_once(self):
     with tempfile.TemporaryDirectory() as d, cluster_utils.Tasks.of_script(
         fault_runs.JOB, args=["default", "fit", os.path.join(d, "b"),
@@ -126,6 +138,7 @@ class SigintTest(absltest.TestCase):
     self.assertNotIn("Traceback", err)
 
 
+@pytest.mark.beside
 class WatcherTest(parameterized.TestCase):
   """In this process, with the default strategy."""
 
