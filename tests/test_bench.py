@@ -206,6 +206,7 @@ class QuickBenchTest(absltest.TestCase):
     self.assertEqual(self.left, [])
 
 
+@pytest.mark.beside
 class ReportTest(parameterized.TestCase):
 
   def test_missed_target_says_by_how_much_and_why(self):
@@ -319,6 +320,7 @@ def _smallest_report(cases: dict) -> dict:
           "config": {"quick": True}}
 
 
+@pytest.mark.beside
 class OverheadSpreadTest(parameterized.TestCase):
   """Each overhead case's windows, paired round by round, and the sign
   test that says whether tfdist and raw can be told apart."""
@@ -390,6 +392,7 @@ class OverheadSpreadTest(parameterized.TestCase):
       report_lib.validate(report)
 
 
+@pytest.mark.beside
 class ProcessorCostTest(parameterized.TestCase):
   """The ring's processor seconds a GB beside the TCP stream's
   (`hosts.processor_cost`), and why a miss is a miss."""
@@ -445,6 +448,7 @@ class ProcessorCostTest(parameterized.TestCase):
       self.assertAlmostEqual(out["machine_ceiling"], ceiling)
 
 
+@pytest.mark.beside
 class CheckOutputsTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -510,6 +514,7 @@ class RunAllTest(parameterized.TestCase):
     self.assertTrue(gone, f"left behind: {_marked(mark)}")
 
 
+@pytest.mark.beside  # One short child process a test.
 class BenchCliTest(absltest.TestCase):
 
   def test_unknown_flag_is_one_line_exit_2(self):

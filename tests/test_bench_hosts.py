@@ -183,6 +183,7 @@ def _sweep(socket: dict, ring: dict, exchange: dict) -> dict:
           "ring_bf16": ring, "exchange": exchange}
 
 
+@pytest.mark.beside
 class WhyNotTest(parameterized.TestCase):
   """A missed target's ``why`` comes from the same run's figures."""
 
@@ -316,6 +317,7 @@ def _whole_report() -> dict:
           "raw": {"allreduce": {"sweep": {}}, "schedules": schedules}}
 
 
+@pytest.mark.beside
 class ValidateSchedulesTest(parameterized.TestCase):
   """`report.validate_hosts` checks the schedules' section's shape."""
 
@@ -340,6 +342,7 @@ class ValidateSchedulesTest(parameterized.TestCase):
       report_lib.validate_hosts(report)
 
 
+@pytest.mark.beside  # One short child process, refused.
 class AcrossHostsInputTest(absltest.TestCase):
 
   def test_one_worker_is_refused_with_the_field_named(self):

@@ -104,22 +104,27 @@ class LoopbackSweepTest(absltest.TestCase):
 @pytest.mark.timeout(300)
 @absltest.skipIf(_BED is not None, _BED)
 class BedSweepTest(parameterized.TestCase):
-  """8 and 16 hosts at 1 Gbit/s; under 5 minutes together."""
+  """8 and 16 hosts at 1 Gbit/s; the 8 hosts' bed with no relay, then with
+  a relay of 250 us (4096 KiB above its 1024 KiB cap: left out there);
+  under 5 minutes together."""
 
   @parameterized.named_parameters(
-      ("8_hosts", 8, 0, [4, 256, 4096]),
-      ("16_hosts", 16, 0, [4, 256, 4096]),
-      ("8_hosts_250us", 8, 250, [4, 256]),
+      ("8_hosts_then_250us", 8, [0, 250]),
+      ("16_hosts", 16, [0]),
   )
-  def test_sweep_on_the_bed(self, hosts, delay_us, sizes_kb):
+  def test_sweep_on_the_bed(self, hosts, delays_us):
     out = bench_bed.schedules_on_bed(
-        "1gbit", hosts=hosts, delays_us=[delay_us], sizes_kb=sizes_kb,
+        "1gbit", hosts=hosts, delays_us=delays_us, sizes_kb=[4, 256, 4096],
         relay_max_kb=1024, windows=2, timeout=240)
-    report = out[delay_us]
-    check_report(self, report, n=hosts, sizes_kb=sizes_kb,
-                 delay_s=delay_us * 1e-6)
-    self.assertEqual(report["bed"]["hosts"], hosts)
-    self.assertLess(report["bytes_per_s"], _GBIT * 1.05)  # The tbf link.
+    self.assertEqual(sorted(out), delays_us)
+    for delay_us, report in out.items():
+      with self.subTest(delay_us=delay_us):
+        check_report(self, report, n=hosts,
+                     sizes_kb=[4, 256] if delay_us else [4, 256, 4096],
+                     delay_s=delay_us * 1e-6)
+        self.assertEqual(report["bed"]["hosts"], hosts)
+        self.assertEqual(report["bed"]["delay_us"], delay_us)
+        self.assertLess(report["bytes_per_s"], _GBIT * 1.05)  # The tbf link.
 
 
 def _echo(server: socket.socket) -> None:

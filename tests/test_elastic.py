@@ -57,6 +57,7 @@ def _kinds(out):
   return seen
 
 
+@pytest.mark.beside
 class RoundsTest(parameterized.TestCase):
 
   def _rounds(self, low, high, restarts=2, last_call=5.0):

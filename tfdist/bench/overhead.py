@@ -30,8 +30,7 @@ def measure(*, batch: int, cnn_batch: int, steps: int, warmup_steps: int,
 
   Each case and option: ``steps_per_s`` and ``baseline_steps_per_s`` (the
   medians of the windows), their ``ratio``, and ``windows`` (`spread`).
-  With ``quick`` only the steps_per_execution and flight recorder options
-  are timed.
+  With ``quick`` only the flight recorder option is timed.
   """
   spec = {"batch": batch, "cnn_batch": cnn_batch, "steps": steps,
           "warmup_steps": warmup_steps, "rounds": rounds, "quick": quick}

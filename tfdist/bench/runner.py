@@ -84,14 +84,14 @@ class BenchConfig:
   pin_cores: bool = True
 
 
-QUICK = BenchConfig(quick=True, overhead_steps=20, overhead_rounds=1,
-                    train_steps=10, train_rounds=1, alone_steps=10,
+QUICK = BenchConfig(quick=True, overhead_steps=10, overhead_rounds=1,
+                    train_steps=5, train_rounds=1, alone_steps=5,
                     timeline_steps=2, cluster_repeats=1,
-                    allreduce_mb=(1, 4), allreduce_iterations=2,
-                    loopback_mb=64, schedule_ranks=(2, 3),
+                    allreduce_mb=(1,), allreduce_iterations=2,
+                    loopback_mb=16, schedule_ranks=(2, 3),
                     schedule_kb=(4, 256), schedule_windows=2,
                     startup_repeats=1, memory_model="wide_mlp",
-                    memory_steps=5, timeout_s=240.0)
+                    memory_steps=2, timeout_s=240.0)
 FULL = BenchConfig()
 
 _BATCH = {"mlp": 64, "cnn": 32}  # Per replica.
