@@ -6,8 +6,8 @@ sends what SLURM sends at the ``--signal=B:USR1@N`` time: ``scancel --batch
 --signal=USR1`` signals the batch shell only, without waiting for a time
 limit. The template's trap forwards USR1 to srun and so to every task; the
 shell then requeues the job. SLURM holds a requeued job (``BeginTime`` about
-two minutes ahead) before it may start again; the tests start it 2 s after
-the requeue (`slurm_harness.LocalSlurm.release_requeued`).
+two minutes ahead) before it may start again; the tests start it in the
+second after the requeue (`slurm_harness.LocalSlurm.release_requeued`).
 
 * A 2-task MultiWorkerMirrored job (tests/scripts/fault_job.py ``fit``, both
   tasks on one node: the toy nodes share one machine and so their ports)

@@ -503,7 +503,8 @@ class TemplatesOnRealSlurmTest(parameterized.TestCase):
     ``scancel --batch --signal=USR1`` sends what SLURM sends at the
     ``--signal`` time, without waiting for a time limit. SLURM holds a
     requeued job for a while before it may start again; the test starts it
-    2 s after the requeue to see the second run.
+    at once (`slurm_harness.LocalSlurm.release_requeued`) to see the second
+    run.
     """
     out_dir = _tempdir(self)
     output_path = os.path.join(out_dir, "job-%j.out")
