@@ -337,7 +337,7 @@ class LocalSlurm:
     for node in self.nodes:
       self._spawn(f"slurmd.{node}", [_which("slurmd"), "-D", "-N", node,
                                      "-f", self.conf_path], host=node)
-    self._wait(self._nodes_idle, f"nodes {list(self.nodes)} idle")
+    self.wait_idle()
 
   def _address(self, node: str) -> str:
     return "127.0.0.1" if self.bed is None else self.bed.address(node)
@@ -374,14 +374,25 @@ class LocalSlurm:
     raise SlurmError(f"timed out after {self.start_timeout}s waiting for "
                      f"{what}\n{self.logs()}")
 
-  def _nodes_idle(self) -> bool:
+  def wait_idle(self, nodes: Sequence[str] | None = None) -> None:
+    """Waits (at most ``start_timeout`` s) until ``nodes`` (all by default)
+    are idle: a job submitted now may have them, the moment the controller
+    schedules it.
+
+    Raises:
+      SlurmError: a daemon died, or the nodes were not idle in time.
+    """
+    nodes = tuple(nodes or self.nodes)
+    self._wait(lambda: self._nodes_idle(nodes), f"nodes {list(nodes)} idle")
+
+  def _nodes_idle(self, nodes: Sequence[str]) -> bool:
     proc = subprocess.run(
         self.command([_which("sinfo"), "-h", "-N", "-o", "%N %T"]),
         env=self.env, capture_output=True, text=True, timeout=10, check=False)
     states = dict(line.split() for line in proc.stdout.splitlines()
                   if len(line.split()) == 2)
     return proc.returncode == 0 and all(
-        states.get(node) == "idle" for node in self.nodes)
+        states.get(node) == "idle" for node in nodes)
 
   def logs(self) -> str:
     """The tails of the daemon logs, for error messages."""

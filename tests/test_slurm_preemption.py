@@ -353,7 +353,7 @@ class SlurmPreemptionTest(parameterized.TestCase):
         job_name="tfdist-array", nodes=1, tasks_per_node=1,
         cpus_per_task=1, time="00:10:00", signal_seconds=60,
         command=(sys.executable, _PAYLOAD, "--payload_mode=signal",
-                 "--payload_wait=8")))
+                 "--payload_wait=6")))
     job = _Job(self, self.slurm, script, args=["--array=0-1"],
                env={"PYTHONPATH": _REPO, "PYTHONUNBUFFERED": "1"},
                chdir=directory)

@@ -453,6 +453,9 @@ class TemplatesOnRealSlurmTest(parameterized.TestCase):
                                gpus_per_node=0, cpus_per_task=1)
     env = {"TFDIST_COMMAND": _payload("resolve", "--strategy=auto"),
            "PYTHONPATH": _REPO, "PYTHONUNBUFFERED": "1"}
+    # The controller schedules at its next tick: what it grants then is what
+    # is idle then (a node just resumed or just freed may not be yet).
+    self.slurm.wait_idle(_NODES[:granted])
     with mock.patch.dict(self.slurm.env, env):
       _, output = self.slurm.sbatch(launch.render(spec), timeout=60)
     results = _results(output)
