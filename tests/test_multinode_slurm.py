@@ -21,7 +21,6 @@ import cluster_utils
 import fault_runs
 import netbed
 import slurm_harness
-from tfdist.launch import sbatch as sbatch_lib
 
 ALLREDUCE = os.path.join(cluster_utils.SCRIPTS, "allreduce.py")
 PAYLOAD = os.path.join(cluster_utils.SCRIPTS, "slurm_payload.py")
@@ -29,8 +28,6 @@ KERAS_FIT = os.path.join(cluster_utils.SCRIPTS, "keras_fit.py")
 _REASON = netbed.netbed_unavailable_reason() or (
     slurm_harness.slurm_unavailable_reason())
 FAULT_JOB = os.path.join(cluster_utils.SCRIPTS, fault_runs.JOB)
-TEMPLATE = os.path.join(cluster_utils.REPO, "cluster_configs",
-                        sbatch_lib.template_name("multi_worker_mirrored"))
 _ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
 _ENV = {"PYTHONPATH": cluster_utils.REPO, "PYTHONUNBUFFERED": "1",
         "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -292,13 +289,13 @@ class TwoNodeSlurmTest(absltest.TestCase):
     field = lambda name: re.search(rf"\b{name}=(\S*)", record).group(1)
     return field("JobState"), int(field("Restarts")), field("NodeList")
 
-  def _fault_job_requeued(self, directory, sbatch_args, *, ranks, drain):
+  def _fault_job_requeued(self, directory, sbatch_args):
     """fault_job.py's fit, preempted at step 2 and requeued once.
 
     Submits ``sbatch_args`` with the fault job (backup in DIRECTORY/backup)
-    as TFDIST_COMMAND, waits until ``ranks`` tasks train, drains the node
-    ``drain(nodelist)`` names, sends USR1 as ``--signal=B:USR1@N`` does and
-    starts the requeued job at once.
+    as TFDIST_COMMAND, waits until both tasks train, drains node1 (the
+    chief's), sends USR1 as ``--signal=B:USR1@N`` does and starts the
+    requeued job at once.
 
     Returns:
       The first run's NodeList, the job's state, restarts and NodeList at
@@ -333,14 +330,12 @@ class TwoNodeSlurmTest(absltest.TestCase):
         self.fail(f"timed out waiting for {what}: {self._job(job)}\n{text()}")
 
     wait(lambda: all(re.search(rf"(?m)^{r}: \[worker:{r}\] step 2$", text())
-                     for r in range(ranks)), "step 2")
+                     for r in range(2)), "step 2")
     state, _, first_nodes = self._job(job)
     self.assertEqual(state, "RUNNING")
-    node = drain(first_nodes)
-    self._scontrol("update", f"nodename={node}", "state=drain",
+    self._scontrol("update", "nodename=node1", "state=drain",
                    "reason=tfdist-test")
-    self.addCleanup(self._scontrol, "update", f"nodename={node}",
-                    "state=resume")
+    self.addCleanup(self._scontrol, "update", "nodename=node1", "state=resume")
     subprocess.run(self.slurm.command(
         ["scancel", "--batch", "--signal=USR1", job]), env=self.slurm.env,
                    check=True, timeout=30)
@@ -362,8 +357,7 @@ class TwoNodeSlurmTest(absltest.TestCase):
     reference = fault_runs.reference()
     script = _job_script(os.path.join(directory, "job.sbatch"), nodes="1-2")
     first_nodes, state, restarts, second_nodes, first, second = (
-        self._fault_job_requeued(directory, [script], ranks=2,
-                                 drain=lambda nodes: "node1"))
+        self._fault_job_requeued(directory, [script]))
     print(f"second run on {second_nodes}:\n{second[-3000:]}")
     self.assertEqual(first_nodes, "node[1-2]")
     self.assertEqual((state, restarts, second_nodes),
