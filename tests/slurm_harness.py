@@ -56,8 +56,8 @@ __all__ = [
 _COMMANDS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol",
              "sinfo", "squeue", "scancel")
 _PACKAGES = ("slurm-wlm", "munge")
-#: See `LocalSlurm.release_requeued`: more than slurmd's one-second resolution.
-_REQUEUE_RELEASE_DELAY_S = 2.0
+#: See `LocalSlurm.release_requeued`: past the next whole second, by a margin.
+_REQUEUE_RELEASE_MARGIN_S = 0.2
 #: The host of a `netbed.NetBed` that runs slurmctld and the commands.
 CONTROLLER = "ctl"
 _NOT_CHECKED = object()
@@ -214,6 +214,9 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
 SchedulerType=sched/builtin
+# Start a batch job at the controller's next one-second tick, not up to 3 s
+# (the default) after its submission or release.
+SchedulerParameters=batch_sched_delay=0
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
@@ -334,7 +337,7 @@ class LocalSlurm:
     for node in self.nodes:
       self._spawn(f"slurmd.{node}", [_which("slurmd"), "-D", "-N", node,
                                      "-f", self.conf_path], host=node)
-    self._wait(self._nodes_idle, f"nodes {list(self.nodes)} idle")
+    self.wait_idle()
 
   def _address(self, node: str) -> str:
     return "127.0.0.1" if self.bed is None else self.bed.address(node)
@@ -371,14 +374,25 @@ class LocalSlurm:
     raise SlurmError(f"timed out after {self.start_timeout}s waiting for "
                      f"{what}\n{self.logs()}")
 
-  def _nodes_idle(self) -> bool:
+  def wait_idle(self, nodes: Sequence[str] | None = None) -> None:
+    """Waits (at most ``start_timeout`` s) until ``nodes`` (all by default)
+    are idle: a job submitted now may have them, the moment the controller
+    schedules it.
+
+    Raises:
+      SlurmError: a daemon died, or the nodes were not idle in time.
+    """
+    nodes = tuple(nodes or self.nodes)
+    self._wait(lambda: self._nodes_idle(nodes), f"nodes {list(nodes)} idle")
+
+  def _nodes_idle(self, nodes: Sequence[str]) -> bool:
     proc = subprocess.run(
         self.command([_which("sinfo"), "-h", "-N", "-o", "%N %T"]),
         env=self.env, capture_output=True, text=True, timeout=10, check=False)
     states = dict(line.split() for line in proc.stdout.splitlines()
                   if len(line.split()) == 2)
     return proc.returncode == 0 and all(
-        states.get(node) == "idle" for node in self.nodes)
+        states.get(node) == "idle" for node in nodes)
 
   def logs(self) -> str:
     """The tails of the daemon logs, for error messages."""
@@ -525,15 +539,18 @@ class LocalSlurm:
     """Starts a requeued, pending job now instead of after SLURM's hold.
 
     Call it once the job is PENDING again. SLURM holds a requeued job
-    (BeginTime about 121 s ahead) because slurmd revoked the job's credential
-    when it killed the previous run and compares whole seconds: a launch in
-    the same second as that kill is refused ("Job N already killed, do not
-    launch batch job") and the job ends FAILED. So this waits 2 s first.
+    (BeginTime about 121 s ahead). slurmd revoked the job's credential when
+    it killed the previous run and compares whole seconds: a credential made
+    in the same second as that kill is refused ("Job N already killed, do not
+    launch batch job") and the job ends FAILED. The kill is done before the
+    job shows PENDING (it is COMPLETING until slurmd has ended the run), so
+    this waits until the next whole second has begun, plus a margin.
 
     Args:
       job: the job id, or ``ARRAYID_TASKID`` for an array element.
     """
-    time.sleep(_REQUEUE_RELEASE_DELAY_S)
+    now = time.time()
+    time.sleep(int(now) + 1 + _REQUEUE_RELEASE_MARGIN_S - now)
     proc = subprocess.run(
         self.command([_which("scontrol"), "update", f"JobId={job}",
                       "StartTime=now"]),

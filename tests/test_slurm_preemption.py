@@ -6,8 +6,8 @@ sends what SLURM sends at the ``--signal=B:USR1@N`` time: ``scancel --batch
 --signal=USR1`` signals the batch shell only, without waiting for a time
 limit. The template's trap forwards USR1 to srun and so to every task; the
 shell then requeues the job. SLURM holds a requeued job (``BeginTime`` about
-two minutes ahead) before it may start again; the tests start it 2 s after
-the requeue (`slurm_harness.LocalSlurm.release_requeued`).
+two minutes ahead) before it may start again; the tests start it in the
+second after the requeue (`slurm_harness.LocalSlurm.release_requeued`).
 
 * A 2-task MultiWorkerMirrored job (tests/scripts/fault_job.py ``fit``, both
   tasks on one node: the toy nodes share one machine and so their ports)
@@ -353,7 +353,7 @@ class SlurmPreemptionTest(parameterized.TestCase):
         job_name="tfdist-array", nodes=1, tasks_per_node=1,
         cpus_per_task=1, time="00:10:00", signal_seconds=60,
         command=(sys.executable, _PAYLOAD, "--payload_mode=signal",
-                 "--payload_wait=8")))
+                 "--payload_wait=6")))
     job = _Job(self, self.slurm, script, args=["--array=0-1"],
                env={"PYTHONPATH": _REPO, "PYTHONUNBUFFERED": "1"},
                chdir=directory)

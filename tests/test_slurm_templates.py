@@ -453,6 +453,9 @@ class TemplatesOnRealSlurmTest(parameterized.TestCase):
                                gpus_per_node=0, cpus_per_task=1)
     env = {"TFDIST_COMMAND": _payload("resolve", "--strategy=auto"),
            "PYTHONPATH": _REPO, "PYTHONUNBUFFERED": "1"}
+    # The controller schedules at its next tick: what it grants then is what
+    # is idle then (a node just resumed or just freed may not be yet).
+    self.slurm.wait_idle(_NODES[:granted])
     with mock.patch.dict(self.slurm.env, env):
       _, output = self.slurm.sbatch(launch.render(spec), timeout=60)
     results = _results(output)
@@ -503,7 +506,8 @@ class TemplatesOnRealSlurmTest(parameterized.TestCase):
     ``scancel --batch --signal=USR1`` sends what SLURM sends at the
     ``--signal`` time, without waiting for a time limit. SLURM holds a
     requeued job for a while before it may start again; the test starts it
-    2 s after the requeue to see the second run.
+    at once (`slurm_harness.LocalSlurm.release_requeued`) to see the second
+    run.
     """
     out_dir = _tempdir(self)
     output_path = os.path.join(out_dir, "job-%j.out")
