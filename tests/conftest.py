@@ -49,12 +49,6 @@ import cluster_utils  # pylint: disable=g-import-not-at-top,wrong-import-positio
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [cluster_utils.BASE_INSTALL]
     + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-# Where PYTHONDONTWRITEBYTECODE is set (this machine's images set it), each
-# of the hundreds of test children compiled tfdist and the test scripts again
-# (0.1-0.25 s a process); they are compiled once, into the checkout's
-# __pycache__ folders (.gitignore), as Python does by default.
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-sys.dont_write_bytecode = False
 
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
