@@ -289,7 +289,13 @@ class SlurmPreemptionTest(parameterized.TestCase):
           rf"(?m)^0: .*tfdist: requeued job {job.id} \(requeue 1\): it "
           r"resumes from the checkpoint when SLURM starts it again$", text)
       self.assertIsNotNone(marker, text)
-      self.assertEqual(text.count("tfdist: requeued job"), 1, text)
+      # SLURM counted one requeue (Restarts 1 above). In one run of
+      # 2026-11-28 the chief's last lines came twice (the requeue's SIGTERM
+      # reached the step as it left), so the line is checked for what it
+      # says, not counted; a failed second requeue would say "failed".
+      self.assertEqual(
+          set(re.findall(r"tfdist: requeue\w* job \d+ \(?\w*", text)),
+          {f"tfdist: requeued job {job.id} (requeue"}, text)
     else:
       self.assertEqual(text.count("tfdist: USR1 at "), 1, text)
       self.assertEqual(text.count(f"tfdist: requeueing job {job.id}\n"), 1,
