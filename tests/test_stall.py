@@ -94,10 +94,9 @@ class StallReportTest(parameterized.TestCase):
     self.logs = tempfile.mkdtemp(prefix="tfdist-stall-")
     self.addCleanup(shutil.rmtree, self.logs, ignore_errors=True)
 
-  def test_a_worker_asleep_in_a_callback_is_named_with_its_line(
-      self, transport="collective"):
+  def test_a_worker_asleep_in_a_callback_is_named_with_its_line(self):
     with _launcher("--workers", "2", "--log-dir", self.logs, "--grace-seconds",
-                   "2", "--", sys.executable, STALL_JOB, transport, "6",
+                   "2", "--", sys.executable, STALL_JOB, "collective", "6",
                    "--slow-worker", "1", "--at", "5") as launcher:
       self.addCleanup(lambda: _kill(_pids(launcher).values()))
       code = launcher.wait(0, 240)
@@ -123,10 +122,10 @@ class StallReportTest(parameterized.TestCase):
       self.assertIn(f'File "{STALL_JOB}", line {_line_of(STALL_JOB)}',
                     f.read())
 
-  def test_a_stopped_worker_of_three_is_named(self, transport="socket"):
+  def test_a_stopped_worker_of_three_is_named(self):
     with _launcher("--workers", "3", "--log-dir", self.logs,
                    "--stall-seconds", "3", "--grace-seconds", "2", "--",
-                   sys.executable, STALL_JOB, transport, "300", "--epochs",
+                   sys.executable, STALL_JOB, "socket", "300", "--epochs",
                    "1000") as launcher:
       self.assertTrue(cluster_utils.wait_until(
           lambda: sum('"trained"' in l for l in launcher.lines(0)) == 3,
