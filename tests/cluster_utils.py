@@ -34,6 +34,7 @@ import time
 from typing import Callable, Mapping, Sequence
 
 import stalls
+import warm
 from tfdist import _net
 
 __all__ = [
@@ -202,13 +203,16 @@ class Tasks:
 
   def __init__(self, *, commands: Sequence[Sequence[str]],
                envs: Sequence[Mapping[str, str]], cwd: str | None = None,
-               merge_stderr: bool = False, start: bool = True):
-    """Starts every task unless ``start`` is false (then see `start`)."""
+               merge_stderr: bool = False, start: bool = True,
+               warm: bool = True):
+    """Starts every task unless ``start`` is false (then see `start`);
+    ``warm``: Python scripts start forked from a warm zygote (tests/warm.py)
+    where it can start them."""
     if len(commands) != len(envs):
       raise ValueError(f"{len(commands)} commands but {len(envs)} envs")
     self._commands = [list(c) for c in commands]
     self._envs = [dict(e) for e in envs]
-    self._cwd, self._merge_stderr = cwd, merge_stderr
+    self._cwd, self._merge_stderr, self._warm = cwd, merge_stderr, warm
     self._runs: list[_Run] = []  # Every process started here, in order.
     self._latest: dict[int, _Run] = {}
     self._changed = threading.Condition()
@@ -252,13 +256,12 @@ class Tasks:
         n = sum(1 for run in self._runs if run.index == index)
         err_path = os.path.join(self._logs, f"task{index}-{n}.err")
       with (open(err_path, "w") if err_path is not None
-            else contextlib.nullcontext(subprocess.STDOUT)) as err:
-        proc = subprocess.Popen(
+            else contextlib.nullcontext()) as err:
+        proc = warm.spawn(
             self._commands[index], cwd=self._cwd,
             env={"PYTHONFAULTHANDLER": "1", "TMPDIR": self._tmp,
                  **self._envs[index]},
-            stdout=subprocess.PIPE, stderr=err, text=True,
-            start_new_session=True)
+            stderr=None if err is None else err.fileno(), warm=self._warm)
       run = _Run(index, proc, err_path)
       run.reader = threading.Thread(target=self._read, args=(run,),
                                     daemon=True)
@@ -416,7 +419,8 @@ class Tasks:
     if not group:
       proc.send_signal(signum)
     elif proc.poll() is None:  # Not reaped: its PID is still its group's.
-      os.killpg(proc.pid, signum)
+      with contextlib.suppress(ProcessLookupError):  # Reaped by a zygote.
+        os.killpg(proc.pid, signum)
 
   def kill(self, index: int) -> None:
     """SIGKILL to task ``index``'s process group."""
@@ -427,7 +431,8 @@ class Tasks:
     runs (only those); their output stays readable."""
     for run in self._runs:
       if run.proc.poll() is None:
-        os.killpg(run.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # Reaped by a zygote.
+          os.killpg(run.proc.pid, signal.SIGKILL)
       run.proc.wait(timeout=30)
     for run in self._runs:
       run.reader.join(timeout=10)  # At the end of its pipe now.
