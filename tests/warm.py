@@ -2,8 +2,8 @@
 
 Most of a test child's start is importing TensorFlow and Keras: about 4-8 s
 of CPU on this machine, in some 600 children a suite run. A `Zygote` pays it
-once: it imports them, then forks one child per request. Each child is a
-process of its own (its own PID, session, TF_CONFIG, memory), set up as a
+once: it imports them and tfdist, then forks one child per request. Each
+child is a process of its own (its own PID, session, TF_CONFIG, memory), set up as a
 fresh ``python script.py args`` would be: its argv, ``sys.path[0]``,
 environment, working directory, stdio, faulthandler, temporary directory
 and random seeds, then the script runs as ``__main__``. What a fork cannot
@@ -228,8 +228,11 @@ def _become(request: dict) -> str:
 
 if __name__ == "__main__":
   _control = socket.socket(fileno=int(sys.argv[1]))
+  # What most test scripts import first (importing tfdist changes nothing:
+  # tests/test_import_state.py).
   import keras  # pylint: disable=g-import-not-at-top,unused-import
   import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+  import tfdist.training  # pylint: disable=g-import-not-at-top,unused-import
   _script = _become(_serve(_control))
   del _control
   import runpy  # pylint: disable=g-import-not-at-top
