@@ -223,7 +223,7 @@ class StrangerTest(absltest.TestCase):
     port = _net.free_ports(1)[0]
     master = rendezvous.Master(address=("127.0.0.1", port), nnodes=nnodes,
                                secret=b"right", timeout=30,
-                               log=open(os.devnull, "w"))
+                               say=lambda text: None)
     self.addCleanup(master.close)
     return port
 
@@ -262,7 +262,7 @@ class StrangerTest(absltest.TestCase):
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
         master = rendezvous.Master(address=("127.0.0.1", {port}), nnodes=1,
                                    secret=b"right", timeout=30,
-                                   log=sys.stdout)
+                                   say=lambda text: print("tfdist: " + text))
         hogs = []
         try:
           while True:

@@ -74,7 +74,7 @@ def _tcp(spec: LaunchSpec, launcher, agree: Mapping[str, str]) -> Opened:
           address=address, nnodes=spec.nnodes, min_nodes=spec.min_nodes,
           last_call=spec.last_call_seconds, secret=secret, agree=agree,
           node=prepared.node, timeout=spec.rendezvous_timeout_seconds,
-          max_restarts=spec.max_restarts, log=launcher.console.stream,
+          max_restarts=spec.max_restarts, say=launcher.console.say,
           on_report=launcher.merge_report)
     except OSError as e:
       field = _LISTEN_ERRORS.get(e.errno, "master_addr")

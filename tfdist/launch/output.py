@@ -63,10 +63,6 @@ class Console:
     self._partial: dict[str, str] = {}  # Role -> its redrawn line's state.
     self._drawing: str | None = None  # The role whose bar the cursor is on.
 
-  @property
-  def stream(self) -> TextIO:
-    return self._out
-
   def reader(self, role: str, stream: BinaryIO, log: TextIO | None
              ) -> tuple[threading.Thread, collections.deque]:
     """A thread (not started) copying ``stream`` here and to ``log``, which

@@ -207,7 +207,8 @@ class Master:
     node: what node 0 runs (`tfdist.launch.fingerprint.take`): a node that
       runs another release or script is refused, one with other arguments
       is warned about; ``None`` compares nothing.
-    log: where it says that a stranger was turned away (once per address),
+    say: says a line (after ``tfdist: ``, as `Console.say` does; to stderr
+      when ``None``) that a stranger was turned away (once per address),
       that a node was refused or warned about.
     on_report: ``on_report(rank, message)`` for a node's answer to a stall
       report's ``ask`` (`tfdist.launch.stall.Flight.merge`); ``None`` drops.
@@ -220,7 +221,8 @@ class Master:
                timeout: float, max_restarts: int = 0,
                min_nodes: int | None = None, last_call: float = 0.0,
                agree: Mapping[str, Any] | None = None,
-               node: Mapping[str, Any] | None = None, log=None,
+               node: Mapping[str, Any] | None = None,
+               say: Callable[[str], None] | None = None,
                on_report: Callable[[int, dict], None] | None = None):
     self._rounds = Rounds(min_nodes=min_nodes or nnodes, max_nodes=nnodes,
                           max_restarts=max_restarts, timeout=timeout,
@@ -229,7 +231,7 @@ class Master:
     self._nnodes = nnodes
     self._agree = dict(agree or {})
     self._node = node
-    self._log = log or sys.stderr
+    self._say = say or (lambda text: sys.stderr.write(f"tfdist: {text}\n"))
     self._on_report = on_report
     self._lock = threading.Lock()
     self._members: dict[int, _Channel] = {}
@@ -309,7 +311,7 @@ class Master:
       if key in self._said:
         return
       self._said.add(key)
-    print(f"tfdist: rendezvous: {text}", file=self._log, flush=True)
+    self._say(f"rendezvous: {text}")
 
   def _stranger(self, peer: str, why: str) -> None:
     self._say_once(peer, f"turned away a connection from {peer}: {why}")
