@@ -14,7 +14,10 @@ network bed, SLURM, a full disk: tests/root_skips.py), naming it.
 Child processes start with tests/base_install first on PYTHONPATH: they
 import Keras without matplotlib, as a base install does (0.7 s less in each
 of some 600 worker starts); the tests that draw plots use
-`cluster_utils.plotting_env`.
+`cluster_utils.plotting_env`. The harness's ``python SCRIPT.py`` children
+start forked from a zygote that imported TensorFlow, Keras and tfdist
+(tests/warm.py; ``TFDIST_TESTS_COLD=1`` starts them cold): 41:08 -> 34:23
+for the whole run on this machine. A launcher's tasks start as a user's do.
 
 The suite runs in two streams (pytest-xdist, ``-n 2 --dist loadgroup`` in
 setup.cfg): every test starts in the ``clusters`` stream, where clusters,
@@ -30,7 +33,6 @@ collection took 34 s (160 s in a longer run) inside an unrelated test
 (test_layout), where collecting at every module boundary takes 0.2-0.3 s.
 """
 
-import contextlib
 import gc
 import os
 import sys
@@ -115,23 +117,6 @@ def pytest_xdist_node_collection_finished(node, ids):
         f"group (e.g. {lost[0]}); xdist's --dist loadgroup does not work "
         "with this pytest (pytest-dev/pytest-xdist#1386): install "
         "'pytest<9.2' as setup.cfg's test extra does, or run with -n 0")
-
-
-#: The beside stream's niceness: the clusters stream is the run's wall time
-#: (2040 of 2063 s in one run, the beside stream's tests 730 s), so the
-#: beside stream takes what the clusters stream leaves of the processor.
-BESIDE_NICE = 10
-
-
-def pytest_runtest_setup(item):
-  """Under xdist, runs a beside test at `BESIDE_NICE` (every thread of this
-  stream's process, and the processes it starts), a clusters test at 0."""
-  if not hasattr(item.config, "workerinput"):
-    return  # One stream: nothing to yield to.
-  nice = BESIDE_NICE if item.get_closest_marker("beside") else 0
-  for tid in os.listdir("/proc/self/task"):
-    with contextlib.suppress(OSError):  # Ended; or not root, back to 0.
-      os.setpriority(os.PRIO_PROCESS, int(tid), nice)
 
 
 def pytest_runtest_logstart(nodeid, location):
