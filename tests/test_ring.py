@@ -773,12 +773,13 @@ class SocketRingTest(_RingsTestCase):
     sizes = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 16 << 20]
     results = _on_each(self._rings(4), lambda r, ring: (
         ring.all_reduce(_inputs(r, 10)), ring.link,
-        [ring.schedule_for(s) for s in sizes]))
+        [ring.schedule_for(s) for s in sizes], ring.calls))
     assumed = dict(latency_s=socket_ring.DEFAULT_LATENCY_S,
                    bytes_per_s=socket_ring.DEFAULT_BYTES_PER_S)
     self.assertNotEqual(results[0][1], assumed)
-    for _, link, picks in results:
+    for _, link, picks, calls in results:
       self.assertEqual(link, results[0][1])  # The same bits on every rank.
+      self.assertEqual(calls, 1)  # Measuring's all-reduces are not counted.
       self.assertEqual(picks, [socket_ring.choose(4, s, **link)
                                for s in sizes])
 

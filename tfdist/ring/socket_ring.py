@@ -124,8 +124,9 @@ DEFAULT_LATENCY_S = 100e-6
 #: a tie keeps the ring, which needs no connections of its own.
 _TIE = 1e-9
 #: What a ring times when it connects (`SocketRing.link`): (bytes, times)
-#: of small then large exchanges; figures that took longer are dropped.
-_PROBES = ((8, 20), (1 << 20, 3))
+#: of exchanges for the rate, (float32 values, times) of all-reduces for a
+#: message's cost; figures that took longer than `_MEASURE_S` are dropped.
+_PROBES, _STEP_PROBE = ((8, 20), (1 << 20, 3)), (256, 5)
 _MEASURE_S = 1.0
 
 
@@ -425,9 +426,18 @@ class SocketRing:
             f"{members.describe(e.rank)} measuring the link: {e.what}"))
 
   def _measure(self) -> None:
-    """Times the ring's steps (all ranks at once, `_PROBES`); every rank
-    gets every rank's figures (an all-gather) and takes the slowest."""
-    start, times = time.monotonic(), []
+    """Times the ring, all ranks at once: a message costs the median of
+    `_STEP_PROBE` all-reduces over their 2 (N - 1) steps (each waits for
+    the left's), the rate from `_PROBES`; every rank takes the slowest."""
+    start, times, n, r = time.monotonic(), [], self.size, self.rank
+    values, repeats = _STEP_PROBE
+    steps, probe = [], pieces.Pieces([np.zeros(values, np.float32)])
+    for _ in range(repeats):
+      t = time.perf_counter()
+      self._run(_planned(ring_schedule.NAME, r, n, values), probe, probe,
+                "float32", 0, "measuring the link")
+      steps.append(time.perf_counter() - t)
+    self._calls = 0  # Not the user's calls (every rank alike).
     for nbytes, repeats in _PROBES:
       sent, got = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
       took = []
@@ -437,10 +447,10 @@ class SocketRing:
         took.append(time.perf_counter() - t)
       times.append(min(took))
     (small, large), (t_small, t_large) = [p[0] for p in _PROBES], times
-    n, r = self.size, self.rank
     figures = np.full((n, 2), np.nan)
     if time.monotonic() - start < _MEASURE_S and t_large > t_small:
-      figures[r] = t_small, (t_large - t_small) / (large - small)
+      figures[r] = (np.median(steps) / (2 * (n - 1)),
+                    (t_large - t_small) / (large - small))
     for s in range(n - 1):  # Rank r passes on what it has of rank r - s.
       self._link.exchange([lambda i=(r - s) % n: as_bytes(figures[i])],
                           [(as_bytes(figures[(r - s - 1) % n]), None, -1)])
