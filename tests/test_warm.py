@@ -100,6 +100,20 @@ class WarmChildTest(parameterized.TestCase):
       tasks.kill(0)
       self.assertEqual(tasks.wait(0, 30), -signal.SIGKILL)
 
+  def test_a_child_no_one_waits_for_leaves_its_zygote_serving(self):
+    env = {**cluster_utils.base_env(), "TMPDIR": self.dir}
+    argv = [sys.executable, self.script, "0"]
+    abandoned = warm.spawn(argv, env=env, cwd=self.dir, stderr=None)
+    zygote = warm._zygotes[warm.startup_key(argv, env)]
+    abandoned._status.close()  # Its waiter is gone before it ends.
+    abandoned.stdout.read()  # To its end: it exited.
+    abandoned.stdout.close()
+    process = warm.spawn(argv, env=env, cwd=self.dir, stderr=None)
+    self.addCleanup(process.stdout.close)
+    self.assertEqual(process.wait(60), 0)
+    self.assertIs(warm._zygotes[warm.startup_key(argv, env)], zygote)
+    self.assertTrue(zygote.alive())
+
 
 @pytest.mark.beside
 class StartupKeyTest(parameterized.TestCase):

@@ -21,6 +21,7 @@ given as its argument's file descriptor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -126,11 +127,9 @@ class Zygote:
     return process
 
   def alive(self) -> bool:
+    """Whether it still serves (it leaves when this process closes its
+    socket, at exit)."""
     return self._proc.poll() is None
-
-  def close(self) -> None:
-    self._socket.close()  # It leaves at the end of its socket.
-    self._proc.wait(timeout=30)
 
 
 _zygotes: dict[str, Zygote] = {}
@@ -174,8 +173,8 @@ def _serve(control: socket.socket) -> dict:
       pid, status = os.waitpid(-1, os.WNOHANG)
       if pid == 0:
         break
-      with children.pop(pid) as status_socket:
-        status_socket.send(str(status).encode())
+      with children.pop(pid) as status_socket, contextlib.suppress(OSError):
+        status_socket.send(str(status).encode())  # Unless no one waits.
     if control not in ready:
       continue
     message, fds, _, _ = socket.recv_fds(control, _MAX_MESSAGE, 4)
