@@ -4,7 +4,10 @@ Parses tfdist's flags (the parameter-server template exports TFDIST_SLURM_ROLES)
 and prints one short ``RESULT {json}`` line per task. Modes:
 
 * ``resolve``: resolves the cluster with `tfdist.flags.cluster_from_flags`;
-  imports no TensorFlow, so it is quick.
+  imports no TensorFlow, so it is quick. A ps task then listens on its
+  address, as a server would, until stopped; the others report only once
+  every ps accepts (a launcher stops its servers when the trainers end, so
+  a ps must have reported by then).
 * ``strategy``: builds the strategy with `tfdist.flags.strategy_from_flags`
   and all-reduces each replica's id + 1.
 * ``signal``: waits for USR1 (what the template's trap forwards), reports it
@@ -16,6 +19,7 @@ and prints one short ``RESULT {json}`` line per task. Modes:
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -25,7 +29,9 @@ import tfdist.flags
 
 _MODE = flags.DEFINE_enum("payload_mode", "resolve",
                           ["resolve", "strategy", "signal"], "what to do")
-_WAIT = flags.DEFINE_float("payload_wait", 60.0, "signal mode: max seconds")
+_WAIT = flags.DEFINE_float(
+    "payload_wait", 60.0, "max seconds to wait for USR1 (signal mode) or for "
+    "a ps (resolve mode)")
 _USR1_EXIT = flags.DEFINE_integer(
     "payload_usr1_exit", 42, "signal mode: exit code after USR1 came")
 
@@ -36,6 +42,24 @@ def _report(**extra):
       "node": os.environ.get("SLURMD_NODENAME"),
       "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
       **extra}), flush=True)
+
+
+def _port(address: str) -> int:
+  return int(address.rsplit(":", 1)[1])
+
+
+def _await(address: str) -> None:
+  """Connects to a ps's address, retrying for up to --payload_wait s."""
+  host, port = address.rsplit(":", 1)[0], _port(address)
+  deadline = time.monotonic() + _WAIT.value
+  while True:
+    try:
+      socket.create_connection((host, port), timeout=5).close()
+      return
+    except OSError:
+      if time.monotonic() > deadline:
+        raise
+      time.sleep(0.1)
 
 
 def main():
@@ -55,6 +79,18 @@ def main():
     return
   if _MODE.value == "resolve":
     info = tfdist.flags.cluster_from_flags()
+    servers = list(info.cluster.get("ps", ()))
+    if info.task_type == "ps":
+      _report(task_type=info.task_type, task_id=info.task_id,
+              cluster={k: list(v) for k, v in info.cluster.items()})
+      with socket.create_server(
+          (servers[info.task_id].rsplit(":", 1)[0],
+           _port(servers[info.task_id]))) as s:
+        s.settimeout(_WAIT.value)
+        while True:
+          s.accept()[0].close()
+    for address in servers:
+      _await(address)
     _report(task_type=info.task_type, task_id=info.task_id,
             cluster={k: list(v) for k, v in info.cluster.items()})
     return
