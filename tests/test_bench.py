@@ -175,6 +175,12 @@ class QuickBenchTest(absltest.TestCase):
         memory["memory_ratio"],
         memory["tfdist_peak_rss_mb"] / memory["raw_peak_rss_mb"])
     self.assertEqual(self.report["memory_ratio"], memory["memory_ratio"])
+    startup = self.report["raw"]["startup"]  # Quick: the same runs' peaks.
+    self.assertEqual((startup["model"], runner.QUICK.startup_steps),
+                     (memory["model"], memory["steps"]))
+    self.assertEqual(memory["runs_mb"], {
+        kind: [rss / 2**20 for _, rss in runs]
+        for kind, runs in startup["runs"].items()})
 
   def test_the_flight_recorder_is_timed_with_and_without(self):
     recorder = self.report["raw"]["options"]["flight_recorder"]

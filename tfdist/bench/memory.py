@@ -20,15 +20,17 @@ __all__ = ["measure"]
 
 
 def measure(*, model: str, repeats: int, steps: int, timeout_s: float,
-            workers: int = 2) -> dict:
-  """Peak RSS of each kind, ``repeats`` alternating runs each.
+            workers: int = 2, runs: dict | None = None) -> dict:
+  """Peak RSS of each kind, ``repeats`` alternating runs each, or of
+  ``runs`` (`startup.alternate`'s, of this model and steps) when given.
 
   Returns:
     ``{"model", "steps", "workers", "tfdist_peak_rss_mb", "raw_peak_rss_mb",
     "memory_ratio", "runs_mb"}``: medians, and every run's figure.
   """
-  runs = startup.alternate(repeats=repeats, steps=steps, timeout_s=timeout_s,
-                           workers=workers, model=model)
+  runs = runs or startup.alternate(repeats=repeats, steps=steps,
+                                   timeout_s=timeout_s, workers=workers,
+                                   model=model)
   mb = {m: [rss / 2**20 for _, rss in v] for m, v in runs.items()}
   ours, raw = statistics.median(mb["tfdist"]), statistics.median(mb["raw"])
   return {"model": model, "steps": steps, "workers": workers,

@@ -56,9 +56,10 @@ class BenchConfig:
     schedule_kb: their float32 sizes in KiB.
     schedule_windows: their timing windows per size and schedule.
     startup_repeats: start-up runs of each kind, and memory runs.
-    memory_model: the `tfdist.bench.models.MODELS` entry the memory runs
-      train (`tfdist.bench.memory`).
-    memory_steps: steps each memory run trains.
+    startup_model: the `tfdist.bench.models.MODELS` entry the start-up runs
+      train, for ``startup_steps``.
+    memory_model: the entry the memory runs train (`tfdist.bench.memory`),
+      for ``memory_steps``; the start-up runs' peaks where both are alike.
     timeout_s: limit on any one process group the bench starts.
     pin_cores: in the scaling clusters, bind worker i to core i modulo the
       cores (raw and tfdist variants, and the 1-worker baseline alike).
@@ -78,6 +79,8 @@ class BenchConfig:
   schedule_kb: tuple[int, ...] = (4, 16, 64, 256, 1024)
   schedule_windows: int = 5
   startup_repeats: int = 3
+  startup_model: str = "mlp"
+  startup_steps: int = 20
   memory_model: str = "deep_mlp"
   memory_steps: int = 10
   timeout_s: float = 600.0
@@ -90,8 +93,9 @@ QUICK = BenchConfig(quick=True, overhead_steps=10, overhead_rounds=1,
                     allreduce_mb=(1,), allreduce_iterations=2,
                     loopback_mb=16, schedule_ranks=(2, 3),
                     schedule_kb=(4, 256), schedule_windows=2,
-                    startup_repeats=1, memory_model="wide_mlp",
-                    memory_steps=2, timeout_s=240.0)
+                    startup_repeats=1, startup_model="wide_mlp",
+                    startup_steps=2, memory_model="wide_mlp", memory_steps=2,
+                    timeout_s=240.0)
 FULL = BenchConfig()
 
 _BATCH = {"mlp": 64, "cnn": 32}  # Per replica.
@@ -136,14 +140,16 @@ def _allreduce(c: BenchConfig, results: Results) -> dict:
 
 def _startup(c: BenchConfig, results: Results) -> dict:
   del results
-  return startup_lib.measure(repeats=c.startup_repeats, steps=20,
-                             timeout_s=c.timeout_s)
+  return startup_lib.measure(repeats=c.startup_repeats, steps=c.startup_steps,
+                             model=c.startup_model, timeout_s=c.timeout_s)
 
 
 def _memory(c: BenchConfig, results: Results) -> dict:
-  del results
-  return memory_lib.measure(model=c.memory_model, repeats=c.startup_repeats,
-                            steps=c.memory_steps, timeout_s=c.timeout_s)
+  runs = results["startup"]["runs"] if (c.memory_model, c.memory_steps) == (
+      c.startup_model, c.startup_steps) else None
+  return memory_lib.measure(
+      model=c.memory_model, repeats=c.startup_repeats, steps=c.memory_steps,
+      timeout_s=c.timeout_s, runs=runs)
 
 
 # name -> measurement, run in this order (later ones read earlier results).

@@ -77,16 +77,16 @@ def alternate(*, repeats: int, steps: int, timeout_s: float,
 
 
 def measure(*, repeats: int, steps: int, timeout_s: float,
-            workers: int = 2) -> dict:
-  """Start-up of the bench's MLP, ``repeats`` runs of each kind.
+            workers: int = 2, model: str = "mlp") -> dict:
+  """Start-up of ``model``, ``repeats`` runs of each kind.
 
   Returns:
-    ``{"workers", "tfdist_s", "raw_s", "startup_ratio", "runs"}`` with
-    medians; ``runs`` holds every run's seconds.
+    ``{"model", "workers", "tfdist_s", "raw_s", "startup_ratio", "runs"}``
+    with medians; ``runs`` holds every run's (seconds, peak RSS bytes).
   """
   runs = alternate(repeats=repeats, steps=steps, timeout_s=timeout_s,
-                   workers=workers)
+                   workers=workers, model=model)
   med = {m: statistics.median(t for t, _ in v) for m, v in runs.items()}
-  return {"workers": workers, "tfdist_s": med["tfdist"], "raw_s": med["raw"],
-          "startup_ratio": med["tfdist"] / med["raw"],
-          "runs": {m: [t for t, _ in v] for m, v in runs.items()}}
+  return {"model": model, "workers": workers, "tfdist_s": med["tfdist"],
+          "raw_s": med["raw"], "startup_ratio": med["tfdist"] / med["raw"],
+          "runs": runs}

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+import tomllib
 from typing import Any, Mapping, Sequence
 
 from tfdist.errors import ConfigError
@@ -86,11 +86,6 @@ def _load(path: str) -> dict[str, Any]:
     if path.endswith(".json"):
       data = json.loads(raw)
     else:
-      if sys.version_info < (3, 11):
-        raise ConfigError(
-            field="--config", value=path, source="the command line",
-            expected="a .json file on Python 3.10 (TOML needs 3.11)")
-      import tomllib  # pylint: disable=g-import-not-at-top
       data = tomllib.loads(raw.decode())
   except (ValueError, UnicodeDecodeError) as e:
     raise ConfigError(field="--config", value=path, source=source,
