@@ -55,6 +55,9 @@ def check_report(test: absltest.TestCase, report: dict, *, n: int,
     test.assertEqual(size["bytes"], nbytes)
     rows = size["schedules"]
     test.assertEqual(set(rows), set(socket_ring.SCHEDULES))
+    for name, row in [*rows.items(), ("rule", size["rule"])]:
+      least, most = row["spread_s"]  # The windows' (least, most).
+      test.assertBetween(row["measured_s"], least, most, (kb, name))
     for name, row in rows.items():
       test.assertGreater(row["measured_s"], 0, (kb, name))
       test.assertAlmostEqual(
@@ -214,6 +217,7 @@ def raw_figures(*, seconds: dict[str, float], pick: str, cpu_s: list[float],
                    "hop_latency_s": 1e-5},
           "rule_link": {"latency_s": 1e-5, "bytes_per_s": 1e6},
           "sizes": {"4096": {"seconds": seconds, "pick": pick,
+                             "spread": {k: (v, v) for k, v in seconds.items()},
                              "cpu_s": cpu_s, "wall_s": [2.0, 1.5],
                              "digests": digests}}}
 

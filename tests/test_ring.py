@@ -266,8 +266,8 @@ class RuleTest(parameterized.TestCase):
   def test_the_pick_is_the_least_model_time_within_the_caps(self, n):
     model = dict(latency_s=socket_ring.DEFAULT_LATENCY_S,
                  bytes_per_s=socket_ring.DEFAULT_BYTES_PER_S)
-    for nbytes in (4, 1024, 4096, 16384, 28 << 10, 32 << 10, (32 << 10) + 4,
-                   64 << 10, 256 << 10, 1 << 20, (1 << 20) + 4, 64 << 20):
+    for nbytes in (4, 1024, 4096, 16384, 32 << 10, 64 << 10, 256 << 10,
+                   (256 << 10) + 4, 1 << 20, (1 << 20) + 4, 64 << 20):
       got = socket_ring.choose(n, nbytes)
       where = f"{n} ranks, {nbytes} bytes"
       eligible = {name: m.seconds(n, nbytes, **model)
@@ -296,8 +296,8 @@ class RuleTest(parameterized.TestCase):
       ("one_rank", 1, 4096, "float32", "ring"),
       ("empty", 8, 0, "float32", "ring"),
       ("small", 8, 4096, "float32", "doubling"),
-      ("two_ranks_at_the_cap", 2, 32 << 10, "float32", "doubling"),
-      ("two_ranks_above_the_cap", 2, (32 << 10) + 4, "float32", "ring"),
+      ("two_ranks_at_the_cap", 2, 256 << 10, "float32", "doubling"),
+      ("two_ranks_above_the_cap", 2, (256 << 10) + 4, "float32", "ring"),
       ("middle", 8, 256 << 10, "float32", "halving"),
       ("above_halvings_cap", 8, (1 << 20) + 4, "float32", "ring"),
       ("large", 8, 64 << 20, "float32", "ring"),

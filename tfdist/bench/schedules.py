@@ -167,9 +167,9 @@ def report(raw: dict) -> dict:
     rule's ring measured as it connected: `SocketRing.link`), ``alpha_s`` and
     ``bytes_per_s`` (the model's), ``same_bits`` (every rank's result
     hashes agree for every ring and size; ``differing`` names any that do
-    not), ``sizes`` by KiB: ``schedules`` (each with ``measured_s``,
-    ``model_s``, ``measured_vs_model``), ``rule`` (``pick``,
-    ``measured_s``), ``best`` (``measured``, ``model``), ``chosen_vs_best``
+    not), ``sizes`` by KiB: ``schedules`` (each with ``measured_s``, its
+    windows' ``spread_s`` (least, most), ``model_s``, ``measured_vs_model``),
+    ``rule`` (``pick``, ``measured_s``), ``best`` (``measured``, ``model``), ``chosen_vs_best``
     (the rule's time over the fastest schedule's), ``busbw_fraction`` (the
     rule's bus bandwidth over B), ``busy_cores`` (the processes' CPU
     seconds per second) and ``cpu_s`` by rank; and ``targets``, each with
@@ -191,12 +191,14 @@ def report(raw: dict) -> dict:
       measured = got["seconds"][name]
       model = module.seconds(n, nbytes, latency_s=alpha, bytes_per_s=rate)
       rows[name] = {"measured_s": measured, "model_s": model,
+                    "spread_s": got["spread"][name],
                     "measured_vs_model": measured / model}
     rule_s = got["seconds"][RULE]
     fastest = min(rows, key=lambda s: rows[s]["measured_s"])
     out["sizes"][kb] = {
         "bytes": nbytes, "schedules": rows,
-        "rule": {"pick": got["pick"], "measured_s": rule_s},
+        "rule": {"pick": got["pick"], "measured_s": rule_s,
+                 "spread_s": got["spread"][RULE]},
         "best": {"measured": fastest,
                  "model": min(rows, key=lambda s: rows[s]["model_s"])},
         "chosen_vs_best": rule_s / rows[fastest]["measured_s"],
@@ -320,7 +322,8 @@ def sweep(*, rank: int, hosts: Sequence[str], rendezvous: Rendezvous,
       relay.close()
   if rank != 0:
     return None
-  sizes = {kb: {"seconds": got["seconds"], "pick": got["pick"],
+  sizes = {kb: {"seconds": got["seconds"], "spread": got["spread"],
+                "pick": got["pick"],
                 "cpu_s": [r[kb]["cpu_s"] for r in ranks],
                 "wall_s": [r[kb]["wall_s"] for r in ranks],
                 "digests": {name: [r[kb]["digests"][name] for r in ranks]
@@ -358,6 +361,7 @@ def _timed(rings: dict, *, kb: int, windows: int, ranks: int,
       if window == windows - 1:
         digests[name] = hashlib.blake2b(out.data, digest_size=16).hexdigest()
   return {"seconds": {k: statistics.median(t) for k, t in times.items()},
+          "spread": {k: (min(t), max(t)) for k, t in times.items()},
           "pick": rings[RULE].schedule_for(kb << 10),
           "cpu_s": _cpu_s(relay) - start_cpu,
           "wall_s": time.perf_counter() - start, "digests": digests}

@@ -47,16 +47,12 @@ NAME = "doubling"
 WIRES = ("float32",)
 
 #: The rule (`tfdist.ring.socket_ring.choose`) never picks it above this
-#: many float32 bytes, whatever the model says. Recursive doubling sends
-#: the whole buffer in one message per exchange where the ring sends
-#: pieces, and adds only once all of it is in (the ring adds each block as
-#: it arrives). Measured (`tfdist.bench.doubling`;
-#: docs/benchmarks.md): with 2 ranks, where the model has no crossover, it
-#: was as fast or faster up to 16 KiB everywhere (1.0-1.9x); above, single
-#: messages sometimes stalled on the bed's shaped links (2 hosts at
-#: 10 Gbit/s: 0.35x at 64 KiB in 2 runs of 3, 0.54x at 128 KiB). So never
-#: above this.
-CAP_BYTES = 32 << 10
+#: many float32 bytes: it sends the whole buffer per exchange and adds only
+#: once all of it is in (the ring adds each block as it arrives), which the
+#: model does not charge. On the bed (docs/benchmarks.md, "The rule
+#: against the fastest") it was the fastest up to 256 KiB at 2-16 hosts, 1
+#: and 10 Gbit/s, but at 2 hosts 1.13-1.24x the ring from 1 MiB.
+CAP_BYTES = 256 << 10
 
 
 @functools.lru_cache(maxsize=256)
