@@ -142,6 +142,43 @@ def _schedules_line(key: str, report: dict) -> str:
           f"{report['same_bits']}; rule / fastest: {sizes}")
 
 
+def schedules_table(results: dict[str, dict]) -> str:
+  """A markdown table of a `--schedules` JSON: a row per rate, delay and
+  host count (the latency and rate the rule's ring measured), a column per
+  size; each cell the rule's pick and its time over the fastest forced
+  schedule's, median (its windows' least-most over the same), ``*`` beyond
+  1.1x."""
+  def order(key: str) -> tuple:  # 1gbit before 10gbit; delay, then hosts.
+    rate, hosts, delay = key.split("/")
+    return len(rate), rate, int(delay[:-2]), int(hosts)
+
+  keys = sorted(results, key=order)
+  sizes = sorted({kb for k in keys for kb in results[k]["sizes"]}, key=int)
+  rows = ["| rate | added | hosts | rule's link | " + " | ".join(
+      f"{kb} KiB" if int(kb) < 1024 else f"{int(kb) >> 10} MiB"
+      for kb in sizes) + " |", "|---" * (4 + len(sizes)) + "|"]
+  for key in keys:
+    rate, hosts, delay = key.split("/")
+    r = results[key]
+    cells = []
+    for kb in sizes:
+      s = r["sizes"].get(kb)
+      if s is None:
+        cells.append("")
+        continue
+      best = min(v["measured_s"] for v in s["schedules"].values())
+      least, most = (t / best for t in s["rule"]["spread_s"])
+      ratio = round(s["chosen_vs_best"], 2)
+      cells.append(f"{s['rule']['pick']} {ratio:.2f}"
+                   f"{'*' if ratio > 1.1 else ''} ({least:.2f}-{most:.2f})")
+    link = r["rule_link"]
+    rows.append(f"| {rate} | {delay[:-2]} us | {hosts} | "
+                f"{link['latency_s'] * 1e6:.0f} us, "
+                f"{link['bytes_per_s'] / 1e6:.0f} MB/s | " + " | ".join(cells)
+                + " |")
+  return "\n".join(rows)
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
@@ -182,6 +219,7 @@ def main() -> int:
       json.dump(results, f, indent=1, sort_keys=True)
     if args.plot:
       plot_lib.write_schedules_plot(results, args.plot)
+    print(schedules_table(results))
     return 0
   reports = {}
   with tempfile.TemporaryDirectory() as workdir:

@@ -266,6 +266,15 @@ class ReportTest(parameterized.TestCase):
     self.assertTrue(out["same_bits"])
     self.assertNotIn("differing", out)
 
+  @parameterized.named_parameters(("within", 4.2, "ring 1.05 (1.05-1.05)"),
+                                  ("beyond", 5.0, "ring 1.25* (1.25-1.25)"))
+  def test_bench_beds_table_says_the_pick_and_its_ratio(self, rule_s, cell):
+    out = schedules.report(raw_figures(seconds=self._seconds(4.0, rule_s),
+                                pick="ring", cpu_s=[0.1, 0.1]))
+    table = bench_bed.schedules_table({"1gbit/2/0us": out}).splitlines()
+    self.assertEqual(table[0], "| rate | added | hosts | rule's link | 4 MiB |")
+    self.assertEqual(table[2], f"| 1gbit | 0 us | 2 | 10 us, 1 MB/s | {cell} |")
+
   def test_ranks_that_differ_are_named(self):
     out = schedules.report(raw_figures(seconds=self._seconds(4.0, 4.0),
                                 pick="ring", cpu_s=[0.1, 0.1],
