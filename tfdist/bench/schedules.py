@@ -169,7 +169,8 @@ def report(raw: dict) -> dict:
     hashes agree for every ring and size; ``differing`` names any that do
     not), ``sizes`` by KiB: ``schedules`` (each with ``measured_s``, its
     windows' ``spread_s`` (least, most), ``model_s``, ``measured_vs_model``),
-    ``rule`` (``pick``, ``measured_s``), ``best`` (``measured``, ``model``), ``chosen_vs_best``
+    ``rule`` (``pick``, ``measured_s``, ``spread_s``), ``best`` (``measured``,
+    ``model``), ``chosen_vs_best``
     (the rule's time over the fastest schedule's), ``busbw_fraction`` (the
     rule's bus bandwidth over B), ``busy_cores`` (the processes' CPU
     seconds per second) and ``cpu_s`` by rank; and ``targets``, each with
