@@ -44,17 +44,17 @@ def _report(**extra):
       **extra}), flush=True)
 
 
-def _port(address: str) -> int:
-  return int(address.rsplit(":", 1)[1])
+def _host_port(address: str) -> tuple[str, int]:
+  host, port = address.rsplit(":", 1)
+  return host, int(port)
 
 
 def _await(address: str) -> None:
   """Connects to a ps's address, retrying for up to --payload_wait s."""
-  host, port = address.rsplit(":", 1)[0], _port(address)
   deadline = time.monotonic() + _WAIT.value
   while True:
     try:
-      socket.create_connection((host, port), timeout=5).close()
+      socket.create_connection(_host_port(address), timeout=5).close()
       return
     except OSError:
       if time.monotonic() > deadline:
@@ -83,9 +83,7 @@ def main():
     if info.task_type == "ps":
       _report(task_type=info.task_type, task_id=info.task_id,
               cluster={k: list(v) for k, v in info.cluster.items()})
-      with socket.create_server(
-          (servers[info.task_id].rsplit(":", 1)[0],
-           _port(servers[info.task_id]))) as s:
+      with socket.create_server(_host_port(servers[info.task_id])) as s:
         s.settimeout(_WAIT.value)
         while True:
           s.accept()[0].close()
