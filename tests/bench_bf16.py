@@ -6,13 +6,15 @@ rate, the README's way (one ``tfdist launch`` per host), at 2 hosts and
 method of `tfdist.bench.allreduce` named in ``--methods`` at each size, in
 rounds, each round once with the ring's casts as they are (ml_dtypes) and
 once through a C loop compiled here (``cast: c``; the same bits,
-checked), and, with ``--polled``, every step of the ring in one thread
-(`tfdist.ring.exchange.THREADED_BYTES` set out of reach, for the ring
-called directly and through TensorFlow alike). ``exchange`` at
-half a size is what bf16's bytes alone cost at that size. It needs root
+checked). Each bed host gets one core's share
+(``TF_NUM_INTRAOP_THREADS=1``, as `tfdist launch` gives a task on a shared
+machine), so the ring moves each step in one thread
+(`tfdist.ring.exchange.threaded_bytes`); with ``--threads``, a large step
+in two, as every ring did before 2026-11-28. ``exchange`` at half a size is
+what bf16's bytes alone cost at that size. It needs root
 and gcc, as the bed does; about a minute::
 
-  .venv/bin/python tests/bench_bf16.py --rate 10gbit [--polled]
+  .venv/bin/python tests/bench_bf16.py --rate 10gbit [--threads]
 
 The C loop is a measurement only: tfdist ships none (docs/benchmarks.md,
 "bf16 at 10 Gbit/s: where the time goes").
@@ -52,7 +54,8 @@ def _c_casts(workdir: str):
   import ml_dtypes  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from tfdist.ring import wire  # pylint: disable=g-import-not-at-top
-  source, lib = os.path.join(workdir, "bf16.c"), os.path.join(workdir, "bf16.so")
+  source = os.path.join(workdir, "bf16.c")
+  lib = os.path.join(workdir, "bf16.so")
   with open(source, "w") as f:
     f.write(_C)
   subprocess.run(["gcc", "-O3", "-march=native", "-shared", "-fPIC", "-o",
@@ -92,11 +95,9 @@ def worker(args) -> None:
   from tfdist.ring import exchange  # pylint: disable=g-import-not-at-top
   from tfdist.ring import socket_ring  # pylint: disable=g-import-not-at-top
   from tfdist.ring import wire  # pylint: disable=g-import-not-at-top
-  from tfdist.strategy import rings  # pylint: disable=g-import-not-at-top
   from tfdist.strategy import transport  # pylint: disable=g-import-not-at-top
-  if args.polled:  # Through TensorFlow too (ring_for's default).
-    exchange.THREADED_BYTES = 1 << 62
-    rings.ring_for.__kwdefaults__["threaded_bytes"] = 1 << 62
+  if args.threads:  # Every ring's default, directly and through TensorFlow.
+    exchange.threaded_bytes = lambda: exchange.THREADED_BYTES
   strategy = tfdist.make_strategy("multi_worker_mirrored",
                                   transport="collective")
   rank, hosts, _ = transport.peers(strategy)
@@ -119,7 +120,7 @@ def worker(args) -> None:
     return
   rate = link["bytes_per_s"]
   print(f"link {rate / 1e6:.0f} MB/s; {args.rounds} rounds; "
-        f"{'one thread a step' if args.polled else 'threads as shipped'}")
+        f"{'two threads a large step' if args.threads else 'one a step'}")
   print("method       MiB  cast  ms (least-most)        x link (float32 "
         "bytes reduced a second over the link's)")
   for (method, size, cast), t in sorted(times.items()):
@@ -137,7 +138,7 @@ def main() -> int:
   parser.add_argument("--methods", nargs="+", default=[
       "exchange", "ring", "ring_bf16", "socket_bf16"])
   parser.add_argument("--rounds", type=int, default=6)
-  parser.add_argument("--polled", action="store_true")
+  parser.add_argument("--threads", action="store_true")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.worker:
@@ -153,7 +154,7 @@ def main() -> int:
                                   "TF_NUM_INTRAOP_THREADS": "1"})
     argv = ["--sizes-mb", *map(str, args.sizes_mb), "--methods",
             *args.methods, "--rounds", str(args.rounds),
-            *(["--polled"] if args.polled else [])]
+            *(["--threads"] if args.threads else [])]
     procs = [bed.popen(host, [
         sys.executable, "-m", "tfdist", "launch", "--nnodes", "2",
         "--node-rank", str(rank), "--master-addr", bed.address(names[0]),

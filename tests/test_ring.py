@@ -9,6 +9,7 @@ failures (tests/test_transport.py runs it under TensorFlow on real clusters).
 
 import collections
 import itertools
+import os
 import socket
 import struct
 import sys
@@ -625,6 +626,50 @@ def _timed_loss(ring, data):
 
 
 _RING_KEYS = itertools.count()
+
+
+class ThreadsTest(parameterized.TestCase):
+  """A ring moves a large step with two threads only where its process has
+  two cores of its own (`exchange.threaded_bytes`)."""
+
+  def setUp(self):
+    super().setUp()
+    self.enter_context(mock.patch.dict("os.environ"))
+    cpus = os.sched_getaffinity(0)
+    self.addCleanup(os.sched_setaffinity, 0, cpus)  # This thread's only.
+
+  @parameterized.named_parameters(
+      ("launcher_share_1", "1", None, 1 << 62),
+      ("launcher_share_2", "2", None, exchange.THREADED_BYTES),
+      ("unset_one_core", None, {0}, 1 << 62),
+      ("unset_two_cores", None, {0, 1}, exchange.THREADED_BYTES),
+      ("not_a_count_one_core", "all", {0}, 1 << 62))
+  def test_threaded_bytes_follows_the_cores_share(self, share, cpus,
+                                                 expected):
+    os.environ.pop("TF_NUM_INTRAOP_THREADS", None)
+    if share is not None:
+      os.environ["TF_NUM_INTRAOP_THREADS"] = share
+    if cpus is not None:
+      if cpus - os.sched_getaffinity(0):
+        self.skipTest(f"this machine lets this process use cores "
+                      f"{sorted(os.sched_getaffinity(0))}, not {sorted(cpus)}")
+      os.sched_setaffinity(0, cpus)
+    self.assertEqual(exchange.threaded_bytes(), expected)
+
+  @parameterized.named_parameters(("one_core_share", "1", False),
+                                  ("two_core_share", "2", True))
+  def test_a_ring_made_without_threaded_bytes_follows_it(self, share,
+                                                        threaded):
+    os.environ["TF_NUM_INTRAOP_THREADS"] = share
+    senders = lambda: {t.ident for t in threading.enumerate()
+                       if t.name == "tfdist-ring-send"}
+    before = senders()
+    rings = _make_rings(2)
+    self.addCleanup(lambda: [r.close() for r in rings])
+    data = np.ones(2 * exchange.THREADED_BYTES // 4, np.float32)
+    results = _on_each(rings, lambda r, ring: ring.all_reduce(data))
+    np.testing.assert_array_equal(results[0], data * 2)
+    self.assertEqual(bool(senders() - before), threaded)
 
 
 class _RingsTestCase(parameterized.TestCase):

@@ -1,4 +1,5 @@
-"""What tfdist does once in a process, written one way: `once`, `number`.
+"""What tfdist does once in a process, written one way (`once`, `number`),
+and the cores it may run on (`cores`).
 
 Everything else tfdist keeps lives on the object it belongs to (a strategy's
 `tfdist.strategy.introspect.Record`, a ring, a launcher).
@@ -7,10 +8,11 @@ Everything else tfdist keeps lives on the object it belongs to (a strategy's
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from typing import Hashable
 
-__all__ = ["once", "number"]
+__all__ = ["once", "number", "cores"]
 
 _lock = threading.Lock()
 _counters: dict[Hashable, itertools.count] = {}
@@ -25,3 +27,10 @@ def number(key: Hashable, start: int = 0) -> int:
   """``start``, then one more each time this process asks with ``key``."""
   with _lock:
     return next(_counters.setdefault(key, itertools.count(start)))
+
+
+def cores() -> int:
+  """The cores this process may run on."""
+  if hasattr(os, "sched_getaffinity"):
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1

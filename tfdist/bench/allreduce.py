@@ -65,7 +65,6 @@ def _reduce_fn(strategy, method: str, sources, repeats: int):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdist import perf  # pylint: disable=g-import-not-at-top
   from tfdist.strategy import transport  # pylint: disable=g-import-not-at-top
-  from tfdist.ring import exchange  # pylint: disable=g-import-not-at-top
   kind, compression = METHODS[method]
   codec = perf.get_compression(compression)
   options = perf.GradientOptions()
@@ -73,8 +72,7 @@ def _reduce_fn(strategy, method: str, sources, repeats: int):
     ring = transport.ring_for(
         strategy, connect_timeout_s=options.socket_connect_timeout_seconds,
         timeout_s=options.socket_timeout_seconds,
-        threaded_bytes=(1 << 62 if kind == "ring_polled"
-                        else exchange.THREADED_BYTES))
+        threaded_bytes=1 << 62 if kind == "ring_polled" else None)
     with tf.init_scope():
       buffer = tf.concat([tf.identity(s) for s in sources], 0).numpy()
     if kind == "exchange":

@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Callable, Sequence, TextIO
 
+from tfdist import _process
 from tfdist.errors import ConfigError
 from tfdist.launch import output
 from tfdist.launch import stopper
@@ -72,7 +73,7 @@ class Workers:
     """Starts a task per TF_CONFIG, then their readers (no thread runs while
     the launcher forks), or none: a ConfigError when one cannot start."""
     if len(configs) > 1 and _INTRA_OP not in env:
-      env = {**env, _INTRA_OP: str(max(1, _cores() // len(configs)))}
+      env = {**env, _INTRA_OP: str(max(1, _process.cores() // len(configs)))}
     paths = [os.path.join(self._log_dir,
                           f"{c['task']['type']}-{c['task']['index']}.log")
              if self._log_dir else None for c in configs]
@@ -156,13 +157,6 @@ class Workers:
         t.proc.stdout.close()
         if t.log:
           t.log.close()
-
-
-def _cores() -> int:
-  """The cores this process may run on."""
-  if hasattr(os, "sched_getaffinity"):
-    return len(os.sched_getaffinity(0))
-  return os.cpu_count() or 1
 
 
 def _die_with(parent: int) -> Callable[[], None] | None:

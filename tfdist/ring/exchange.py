@@ -10,13 +10,11 @@ when both sides send first. A large step is moved by two threads, one
 sending (started at the first such step and kept: starting one per step
 cost about 90 us) and the caller receiving (and adding), each in blocking
 calls that release the GIL: the kernel's copies in and out of the two
-sockets and the arithmetic can run at once, on two cores where there are
-two. Whether that
-is faster is for the bench to say: ``tfdist bench --across-hosts`` times
-``ring`` (this) beside ``ring_polled`` (every step in one thread) in one run.
-At 10 Gbit/s between two hosts of the test bed the one-thread ``exchange``
-reached 0.86 of the raw link while plain streams, one thread per direction,
-filled it.
+sockets and the arithmetic can run at once, on two cores. So only where the
+process has two cores of its own (`threaded_bytes`): on one, two threads
+took 1.15-1.5x as long as one (the bed's hosts, and 2 workers on 2 cores;
+docs/benchmarks.md, "bf16 at 10 Gbit/s"). The bench times ``ring`` (as
+shipped) beside ``ring_polled`` (every step in one thread) in every run.
 
 Example::
 
@@ -27,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import queue
 import select
 import socket
@@ -34,11 +33,24 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-__all__ = ["PeerLost", "Link", "THREADED_BYTES"]
+from tfdist import _process
+
+__all__ = ["PeerLost", "Link", "THREADED_BYTES", "threaded_bytes"]
 
 _POLL_S = 0.5  # Longest wait in poll() between checks of the deadlines.
 #: Steps receiving at least this many bytes are moved by two threads.
 THREADED_BYTES = 1 << 20
+
+
+def threaded_bytes() -> int:
+  """`THREADED_BYTES` where this process has two cores or more of its own,
+  else more than any step: its share is ``TF_NUM_INTRAOP_THREADS`` where
+  set (`tfdist launch` gives each task of a node its share), else the
+  cores it may run on."""
+  share = os.environ.get("TF_NUM_INTRAOP_THREADS", "")
+  cores = int(share) if share.isdigit() else _process.cores()
+  return THREADED_BYTES if cores >= 2 else 1 << 62
+
 
 #: What a step sends: callables returning the next buffer, called when the
 #: previous one is written (so encoding happens just in time).

@@ -11,22 +11,14 @@ segments (`tfdist.ring.schedule`): each process sends and receives
   wire dtype once and keeps that rounded value too, so every process ends
   with the same bits.
 * **Pipelining**: a step moves its segment in blocks of ``block_bytes`` (of
-  float32); one thread writes to the right neighbour and reads from the
-  left with non-blocking sockets (`tfdist.ring.exchange`), encoding a
-  block just before it is sent and adding a block as soon as it is in, so
-  the working set stays in cache. No helper threads, no hand-offs: an
-  all-reduce of a few values takes about two round trips.
-* **Schedules** (`SCHEDULES`, one module each, a pure plan of which
-  blocks go to and come from which peer at each step; `SocketRing` alone
-  carries plans out, `_run`): `choose` picks, by the alpha-beta model of
-  each over the link the ring measured as it connected
-  (`SocketRing.link`), the one of least time for a call's size. With
-  float32 on the wire, small buffers take recursive doubling
-  (`tfdist.ring.doubling`, ``log2 n`` exchanges of the whole buffer) and,
-  from 4 ranks, middle and large ones recursive halving and doubling
-  (`tfdist.ring.halving`, ``2 log2 n`` exchanges moving the ring's
-  bytes), where the ring's ``2 (n - 1)`` steps would cost more.
-  ``schedule=`` forces one (benchmarks).
+  float32), encoding a block just before it is sent and adding one as soon
+  as it is in, so the working set stays in cache (`tfdist.ring.exchange`:
+  one thread, or two for a large step where the process has two cores).
+* **Schedules** (`SCHEDULES`, a module each, a pure plan that `SocketRing`
+  alone carries out): `choose` picks by their alpha-beta models over the
+  link the ring measured as it connected (`SocketRing.link`): with float32
+  on the wire, recursive doubling for small buffers, from 4 ranks halving
+  and doubling for middle ones, else the ring. ``schedule=`` forces one.
 * **In place**: ``out=data`` sums into the input (no output buffer; what
   the TensorFlow glue does with its packed gradients).
 * **Lists**: a list of arrays is summed as their concatenation without
@@ -103,21 +95,15 @@ DEFAULT_BLOCK_BYTES = 512 << 10
 
 #: The schedules by name, a module each with ``NAME``, ``WIRES`` (the wire
 #: dtypes it carries), ``seconds(size, nbytes, *, latency_s, bytes_per_s)``
-#: (its alpha-beta model), ``CAP_BYTES`` (float32 bytes above which
-#: `choose` never picks it; ``None``: no cap) and ``plan(rank, size,
-#: length)``, its pure plan (`tfdist.ring.schedule.Step`), which
-#: `SocketRing` carries out. The ring, last, takes every call the others
-#: do not.
+#: (its alpha-beta model), ``CAP_BYTES`` (float32 bytes above which `choose`
+#: never picks it; ``None``: none) and ``plan(rank, size, length)`` (its
+#: `tfdist.ring.schedule.Step`s). The ring, last, takes every other call.
 SCHEDULES = {m.NAME: m for m in (doubling, halving, ring_schedule)}
 
-#: The fallback link `choose` assumes where it was not measured
-#: (`SocketRing.link`): the slowest tfdist is measured on (1 Gbit/s: 0.95
-#: of the line, as the bed's streams moved) and what one message costs a
-#: schedule over it, in Python at both ends: a small token crosses a hop
-#: of the bed in 13-28 us, but a schedule's step also encodes, checks a
-#: header and adds; two hosts of the bed, each with a core, took 73 us a
-#: ring step and 98 us a doubling exchange at 4 KiB
-#: (`tfdist.bench.schedules`, docs/benchmarks.md "Many hosts").
+#: The fallback link `choose` assumes where none was measured
+#: (`SocketRing.link`): 0.95 of 1 Gbit/s, the slowest tfdist is measured
+#: on, and 100 us a message, Python at both ends (two bed hosts took 73 us a
+#: ring step, 98 us a doubling exchange at 4 KiB; docs/benchmarks.md).
 DEFAULT_BYTES_PER_S = 0.95 * 125e6
 DEFAULT_LATENCY_S = 100e-6
 #: Another schedule must beat the ring's model time by more than rounding:
@@ -235,7 +221,8 @@ class SocketRing:
       values altered on the way fail the call; costs hashing every byte
       sent and received. Needs a secret.
     threaded_bytes: steps that receive at least this many bytes run a
-      sending and a receiving thread (`tfdist.ring.exchange`).
+      sending and a receiving thread; ``None``:
+      `tfdist.ring.exchange.threaded_bytes`.
     schedule: the name of the schedule every call takes, one of
       `SCHEDULES`; ``None``: `choose`'s. A call whose wire it does not
       carry is refused (`schedule_for`).
@@ -257,7 +244,7 @@ class SocketRing:
                block_bytes: int = DEFAULT_BLOCK_BYTES,
                source: str = "SocketRing", secret: bytes | str | None = None,
                ports: str | None = None, authenticate_values: bool = False,
-               threaded_bytes: int = exchange.THREADED_BYTES,
+               threaded_bytes: int | None = None,
                schedule: str | None = None):
     hosts = tuple(hosts)
     self._members = connection.Members(
@@ -298,7 +285,8 @@ class SocketRing:
     self._connect_timeout_s = float(connect_timeout_s)
     self._timeout_s = float(timeout_s)
     self._block = max(1, int(block_bytes) // 4)
-    self._threaded_bytes = int(threaded_bytes)
+    self._threaded_bytes = int(exchange.threaded_bytes()
+                               if threaded_bytes is None else threaded_bytes)
     self._source = source
     self._header_source = (
         f"socket transport, {self._members.describe(self._members.left)}")

@@ -26,7 +26,6 @@ import tensorflow as tf
 from tfdist import _process
 from tfdist import ring as ring_lib
 from tfdist.errors import ConfigError
-from tfdist.ring import exchange
 from tfdist.strategy import introspect
 
 __all__ = ["KEY_PREFIX", "SOURCE", "CoordinationRendezvous", "check_strategy",
@@ -133,7 +132,7 @@ def _host(address: str) -> str:
 def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
              secret: str | None = None, ports: str | None = None,
              authenticate_values: bool = False,
-             threaded_bytes: int = exchange.THREADED_BYTES
+             threaded_bytes: int | None = None
              ) -> ring_lib.SocketRing | None:
   """The ring of ``strategy``'s workers (made once, connected lazily).
 
@@ -146,7 +145,7 @@ def ring_for(strategy, *, connect_timeout_s: float, timeout_s: float,
       ``None``.
     authenticate_values: tag every step's bytes too.
     threaded_bytes: steps receiving this many bytes or more run a sending
-      and a receiving thread (`tfdist.ring.exchange`).
+      and a receiving thread; ``None``: `tfdist.ring.exchange.threaded_bytes`.
 
   Returns:
     ``None`` when the strategy has a single replica.
