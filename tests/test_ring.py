@@ -643,7 +643,9 @@ class ThreadsTest(parameterized.TestCase):
       ("launcher_share_2", "2", None, exchange.THREADED_BYTES),
       ("unset_one_core", None, {0}, 1 << 62),
       ("unset_two_cores", None, {0, 1}, exchange.THREADED_BYTES),
-      ("not_a_count_one_core", "all", {0}, 1 << 62))
+      ("not_a_count_one_core", "all", {0}, 1 << 62),
+      ("zero_is_tensorflows_every_core", "0", {0, 1},
+       exchange.THREADED_BYTES))
   def test_threaded_bytes_follows_the_cores_share(self, share, cpus,
                                                  expected):
     os.environ.pop("TF_NUM_INTRAOP_THREADS", None)

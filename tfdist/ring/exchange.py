@@ -45,10 +45,10 @@ THREADED_BYTES = 1 << 20
 def threaded_bytes() -> int:
   """`THREADED_BYTES` where this process has two cores or more of its own,
   else more than any step: its share is ``TF_NUM_INTRAOP_THREADS`` where
-  set (`tfdist launch` gives each task of a node its share), else the
-  cores it may run on."""
+  set above 0 (`tfdist launch` gives each task of a node its share), else
+  the cores it may run on."""
   share = os.environ.get("TF_NUM_INTRAOP_THREADS", "")
-  cores = int(share) if share.isdigit() else _process.cores()
+  cores = (share.isdigit() and int(share)) or _process.cores()
   return THREADED_BYTES if cores >= 2 else 1 << 62
 
 
