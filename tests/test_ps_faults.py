@@ -306,6 +306,15 @@ class ErrorMappingTest(parameterized.TestCase):
     self.assertEqual(_flight.summary(error), expected)
 
   @parameterized.named_parameters(
+      ("fits", 60, "all-reduce order: call #5 differs. Every worker must"),
+      ("cut_at_a_word", 30, "all-reduce order: call #5..."),
+      ("one_long_word", 8, "all-r..."))
+  def test_summary_cuts_a_long_line_at_a_word(self, limit, expected):
+    error = tf.errors.UnavailableError(
+        None, None, "all-reduce order: call #5 differs. Every worker must")
+    self.assertEqual(_flight.summary(error, limit), expected)
+
+  @parameterized.named_parameters(
       ("remote_target", ["h:1", "h:2"], GRAPH_ERROR, ["ps:1 at h:2"]),
       ("address", ["h:1", "h:2"], "connect to h:1 failed", ["ps:0 at h:1"]),
       ("address_prefix_is_not_a_match", ["h:1"], "connect to h:12", []),

@@ -172,12 +172,13 @@ def failed(error: BaseException, *, collective: bool = False) -> None:
 
 def summary(error: BaseException, limit: int = 300) -> str:
   """The first informative line of an error's message (TensorFlow's often
-  begin with a generic one)."""
+  begin with a generic one), cut at a word and ended with ``...`` beyond
+  ``limit`` characters."""
   lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-  for line in lines:
-    if not _GENERIC_LINE.match(line):
-      return line[:limit]
-  return (lines[0] if lines else "no message")[:limit]
+  line = next((x for x in lines if not _GENERIC_LINE.match(x)),
+              lines[0] if lines else "no message")
+  return line if len(line) <= limit else (
+      line[:limit - 3].rsplit(" ", 1)[0] + "...")
 
 
 def _role() -> str:
