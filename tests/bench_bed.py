@@ -40,6 +40,7 @@ import tempfile
 from typing import Sequence
 
 from tfdist import _net
+from tfdist import _process
 from tfdist.bench import plot as plot_lib
 from tfdist.bench import report as report_lib
 from tfdist.bench import schedules as schedules_lib
@@ -62,7 +63,7 @@ def intra_op_threads(hosts: int) -> str:
   where set, else each of ``hosts`` hosts' share of this machine's cores
   (at least 1)."""
   return (os.environ.get("TF_NUM_INTRAOP_THREADS")
-          or str(max(1, len(os.sched_getaffinity(0)) // hosts)))
+          or str(max(1, _process.cores() // hosts)))
 
 
 def run_on_bed(rate: str, *, quick: bool, workdir: str, timeout: float,

@@ -628,7 +628,24 @@ def _timed_loss(ring, data):
 _RING_KEYS = itertools.count()
 
 
-class ThreadsTest(parameterized.TestCase):
+class _RingsTestCase(parameterized.TestCase):
+  """Rings made by a test, closed after it."""
+
+  def setUp(self):
+    super().setUp()
+    self.rings = []
+
+  def tearDown(self):
+    for ring in self.rings:
+      ring.close()
+    super().tearDown()
+
+  def _rings(self, n, **kwargs):
+    self.rings = _make_rings(n, **kwargs)
+    return self.rings
+
+
+class ThreadsTest(_RingsTestCase):
   """A ring moves a large step with two threads only where its process has
   two cores of its own (`exchange.threaded_bytes`)."""
 
@@ -666,29 +683,11 @@ class ThreadsTest(parameterized.TestCase):
     senders = lambda: {t.ident for t in threading.enumerate()
                        if t.name == "tfdist-ring-send"}
     before = senders()
-    rings = _make_rings(2)
-    self.addCleanup(lambda: [r.close() for r in rings])
+    rings = self._rings(2)
     data = np.ones(2 * exchange.THREADED_BYTES // 4, np.float32)
     results = _on_each(rings, lambda r, ring: ring.all_reduce(data))
     np.testing.assert_array_equal(results[0], data * 2)
     self.assertEqual(bool(senders() - before), threaded)
-
-
-class _RingsTestCase(parameterized.TestCase):
-  """Rings made by a test, closed after it."""
-
-  def setUp(self):
-    super().setUp()
-    self.rings = []
-
-  def tearDown(self):
-    for ring in self.rings:
-      ring.close()
-    super().tearDown()
-
-  def _rings(self, n, **kwargs):
-    self.rings = _make_rings(n, **kwargs)
-    return self.rings
 
 
 @pytest.mark.timeout(STALL_S * 5)
