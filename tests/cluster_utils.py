@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -84,6 +85,24 @@ LineTest = str | Callable[[str], bool]
 def tail(text: str, n: int = 3000) -> str:
   """The end of ``text``, short enough for a failure message."""
   return text[-n:]
+
+
+_FATAL = re.compile(r"^(\[[^]]*\] )?Fatal Python error: "
+                    r"(Segmentation fault|Aborted|Bus error)$", re.M)
+
+
+def native_crash(output: str) -> bool:
+  """Whether a process in ``output`` died of a fault in a thread that runs no
+  Python: Python's fault handler wrote its report but named no "Current
+  thread". In these tests' tasks such a thread is TensorFlow's own (tfdist
+  has no native code), so the fault is TensorFlow's, not the code under test.
+
+  Seen once, in CI on 2026-11-28: a worker of tests/test_stall.py's three
+  nodes got SIGSEGV while TensorFlow aborted its collectives after their
+  timeout (its main thread in ``context.get_graph_debug_info``); not seen in
+  8 runs of that test since.
+  """
+  return bool(_FATAL.search(output)) and "Current thread" not in output
 
 
 def _json_line(stdout: str, stderr: str) -> dict:

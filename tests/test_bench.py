@@ -500,6 +500,7 @@ _FAILS = [sys.executable, "-c", "import sys, time; time.sleep(1); sys.exit(3)"]
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.beside  # Sleepers that import nothing; 13 s of waiting.
 class RunAllTest(parameterized.TestCase):
   """The bench's processes end with their whole group (the launcher's
   stopper): SIGTERM, then SIGKILL past the grace period."""

@@ -1,4 +1,5 @@
-"""The test harness's own promises: stalls do not count, hangs say where.
+"""The test harness's own promises: stalls do not count, hangs say where,
+and only a fault in TensorFlow's own threads counts as TensorFlow's.
 
 `stalls` keeps a stop of the machine out of the tests' bounds; here a child
 process that imports it is stopped (SIGSTOP) for a few seconds, as a paused
@@ -11,6 +12,7 @@ import sys
 import time
 
 from absl.testing import absltest
+from absl.testing import parameterized
 import pytest
 
 import cluster_utils
@@ -91,3 +93,21 @@ class HungTaskTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+_FAULT = ("[worker:0] Fatal Python error: Segmentation fault\n\n"
+          "Thread 0x00007f1faebff6c0 (most recent call first):\n"
+          "  File \"tfdist/_flight.py\", line 259 in _watch\n")
+
+
+class NativeCrashTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("in_a_thread_without_python", _FAULT, True),
+      ("aborted_there", _FAULT.replace("Segmentation fault", "Aborted"), True),
+      ("in_python_code", _FAULT.replace("Thread 0x", "Current thread 0x"),
+       False),
+      ("said_mid_line", "x " + _FAULT, False),
+      ("no_fault", "tfdist: task worker:0 exited 1", False))
+  def test_only_a_fault_outside_python_is_native(self, output, native):
+    self.assertIs(cluster_utils.native_crash(output), native)

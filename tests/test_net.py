@@ -210,6 +210,7 @@ class ResolveNamesTest(parameterized.TestCase):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.beside  # One short child process.
 class UnresolvableClusterHostTest(absltest.TestCase):
 
   def test_tensorflow_task_fails_in_seconds_naming_the_host(self):

@@ -227,6 +227,7 @@ class StrangerTest(absltest.TestCase):
     self.addCleanup(master.close)
     return port
 
+  @pytest.mark.beside  # A master in this process; 10 s of waiting.
   def test_a_slowloris_is_dropped_at_the_hello_deadline(self):
     port = self._master()
     start = time.monotonic()
