@@ -62,7 +62,7 @@ def intra_op_threads(hosts: int) -> str:
   """Each host's TensorFlow intra-op threads: ``TF_NUM_INTRAOP_THREADS``
   where set, else each of ``hosts`` hosts' share of this machine's cores
   (at least 1)."""
-  return (os.environ.get("TF_NUM_INTRAOP_THREADS")
+  return (os.environ.get(_process.INTRA_OP)
           or str(max(1, _process.cores() // hosts)))
 
 

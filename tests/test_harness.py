@@ -91,10 +91,6 @@ class HungTaskTest(absltest.TestCase):
                   str(caught.exception))
 
 
-if __name__ == "__main__":
-  absltest.main()
-
-
 _FAULT = ("[worker:0] Fatal Python error: Segmentation fault\n\n"
           "Thread 0x00007f1faebff6c0 (most recent call first):\n"
           "  File \"tfdist/_flight.py\", line 259 in _watch\n")
@@ -111,3 +107,7 @@ class NativeCrashTest(parameterized.TestCase):
       ("no_fault", "tfdist: task worker:0 exited 1", False))
   def test_only_a_fault_outside_python_is_native(self, output, native):
     self.assertIs(cluster_utils.native_crash(output), native)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -12,8 +12,9 @@ import os
 import threading
 from typing import Hashable
 
-__all__ = ["once", "number", "cores"]
+__all__ = ["once", "number", "cores", "INTRA_OP"]
 
+INTRA_OP = "TF_NUM_INTRAOP_THREADS"  # TensorFlow's intra-op pool size.
 _lock = threading.Lock()
 _counters: dict[Hashable, itertools.count] = {}
 

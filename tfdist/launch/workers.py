@@ -40,8 +40,6 @@ __all__ = ["Workers"]
 _START_ERRORS = {errno.EMFILE: "num_workers", errno.ENFILE: "num_workers",
                  errno.EAGAIN: "num_workers", errno.ENOMEM: "num_workers"}
 _PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
-#: TensorFlow's intra-op pool size, read from the environment at start-up.
-_INTRA_OP = "TF_NUM_INTRAOP_THREADS"
 
 
 @dataclasses.dataclass
@@ -72,8 +70,9 @@ class Workers:
             gpus: Sequence[str | None]) -> None:
     """Starts a task per TF_CONFIG, then their readers (no thread runs while
     the launcher forks), or none: a ConfigError when one cannot start."""
-    if len(configs) > 1 and _INTRA_OP not in env:
-      env = {**env, _INTRA_OP: str(max(1, _process.cores() // len(configs)))}
+    if len(configs) > 1 and _process.INTRA_OP not in env:
+      share = max(1, _process.cores() // len(configs))
+      env = {**env, _process.INTRA_OP: str(share)}
     paths = [os.path.join(self._log_dir,
                           f"{c['task']['type']}-{c['task']['index']}.log")
              if self._log_dir else None for c in configs]

@@ -47,7 +47,7 @@ def threaded_bytes() -> int:
   else more than any step: its share is ``TF_NUM_INTRAOP_THREADS`` where
   set above 0 (`tfdist launch` gives each task of a node its share), else
   the cores it may run on."""
-  share = os.environ.get("TF_NUM_INTRAOP_THREADS", "")
+  share = os.environ.get(_process.INTRA_OP, "")
   cores = (share.isdigit() and int(share)) or _process.cores()
   return THREADED_BYTES if cores >= 2 else 1 << 62
 
