@@ -22,8 +22,9 @@ for the whole run on this machine. A launcher's tasks start as a user's do.
 The suite runs in two streams (pytest-xdist, ``-n 2 --dist loadgroup`` in
 setup.cfg): every test starts in the ``clusters`` stream, where clusters,
 servers, SLURM and the network bed run one at a time, as they always did;
-classes and modules marked ``pytest.mark.beside`` start no process or server
-of their own and run in the ``beside`` stream, on the other core. The
+classes and modules marked ``pytest.mark.beside`` start no cluster, server or
+launcher (at most short processes that join none) and run in the ``beside``
+stream, on the other core. The
 clusters stream alone left half the machine idle (waits on peers, bounds and
 single processes): 1631 of 3962 core-seconds in one measured run.
 
@@ -72,8 +73,8 @@ def _collect_each_modules_garbage():
 
 def pytest_configure(config):
   config.addinivalue_line(
-      "markers", "beside: starts no process or server; runs beside the "
-      "clusters stream (tests/conftest.py)")
+      "markers", "beside: starts no cluster, server or launcher; runs beside "
+      "the clusters stream (tests/conftest.py)")
 
 
 #: The clusters stream starts with the modules that mostly wait (on bounds,

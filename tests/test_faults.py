@@ -111,6 +111,7 @@ class LostWorkerSocketTest(parameterized.TestCase):
     self.assertLess(seconds, 30)
 
 
+@pytest.mark.beside  # One process at a time, without a cluster.
 @pytest.mark.timeout(300)
 class KillAnyMomentTest(absltest.TestCase):
 

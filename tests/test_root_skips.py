@@ -124,6 +124,7 @@ class OneProcessSessionTest(_Session):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.beside  # Three pytest processes that start no cluster.
 class TwoStreamsSessionTest(_Session):
   """xdist's controller gathers the skips of both streams."""
 

@@ -91,6 +91,7 @@ class BlockedStartupTest(parameterized.TestCase):
                   "nothing to save yet", err)
 
 
+@pytest.mark.beside  # One process, without a cluster.
 @pytest.mark.timeout(300)
 class SigintTest(absltest.TestCase):
   """Ctrl-C saves at the next step and exits 130."""

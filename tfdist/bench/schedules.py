@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from tfdist import _process
 from tfdist.bench import figures
 from tfdist.bench import link as link_lib
 from tfdist.bench import procs
@@ -330,7 +331,7 @@ def sweep(*, rank: int, hosts: Sequence[str], rendezvous: Rendezvous,
                 "digests": {name: [r[kb]["digests"][name] for r in ranks]
                             for name in got["digests"]}}
            for kb, got in mine.items()}
-  return {"ranks": len(hosts), "cores": len(os.sched_getaffinity(0)),
+  return {"ranks": len(hosts), "cores": _process.cores(),
           "link": link, "relay": relayed, "rule_link": rule_link,
           "sizes": sizes}
 

@@ -150,10 +150,6 @@ class ClusterInfo:
     return len(self.cluster.get("ps", ()))
 
   @property
-  def is_multi_task(self) -> bool:
-    return sum(len(v) for v in self.cluster.values()) > 1
-
-  @property
   def is_chief(self) -> bool:
     """True on the task that writes checkpoints and logs.
 
@@ -178,14 +174,6 @@ class ClusterInfo:
     if self.slurm is not None:
       out["slurm"] = dataclasses.asdict(self.slurm)
     return out
-
-  def to_tf_config(self) -> dict[str, Any]:
-    """The TF_CONFIG dict TensorFlow would read for this task."""
-    config: dict[str, Any] = {
-        "cluster": {job: list(addrs) for job, addrs in self.cluster.items()}}
-    if self.task_type is not None:
-      config["task"] = {"type": self.task_type, "index": self.task_id or 0}
-    return config
 
   def cluster_spec(self):
     """This cluster as a `tf.train.ClusterSpec`."""
