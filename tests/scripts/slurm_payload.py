@@ -4,10 +4,10 @@ Parses tfdist's flags (the parameter-server template exports TFDIST_SLURM_ROLES)
 and prints one short ``RESULT {json}`` line per task. Modes:
 
 * ``resolve``: resolves the cluster with `tfdist.flags.cluster_from_flags`;
-  imports no TensorFlow, so it is quick. A ps task then listens on its
-  address, as a server would, until stopped; the others report only once
-  every ps accepts (a launcher stops its servers when the trainers end, so
-  a ps must have reported by then).
+  imports no TensorFlow, so it is quick. Under a ps, the ps and worker tasks
+  are servers: each reports, then listens on its address until stopped; the
+  chief reports only once every server accepts (a launcher stops its
+  servers when the chief ends, so each must have reported by then).
 * ``strategy``: builds the strategy with `tfdist.flags.strategy_from_flags`
   and all-reduces each replica's id + 1.
 * ``signal``: waits for USR1 (what the template's trap forwards), reports it
@@ -79,11 +79,12 @@ def main():
     return
   if _MODE.value == "resolve":
     info = tfdist.flags.cluster_from_flags()
-    servers = list(info.cluster.get("ps", ()))
-    if info.task_type == "ps":
+    roles = ("ps", "worker") if "ps" in info.cluster else ()
+    servers = [a for role in roles for a in info.cluster.get(role, ())]
+    if info.task_type in roles:
       _report(task_type=info.task_type, task_id=info.task_id,
               cluster={k: list(v) for k, v in info.cluster.items()})
-      with socket.create_server(_host_port(servers[info.task_id])) as s:
+      with socket.create_server(_host_port(info.address)) as s:
         s.settimeout(_WAIT.value)
         while True:
           s.accept()[0].close()
