@@ -24,9 +24,9 @@ setup.cfg): every test starts in the ``clusters`` stream, where clusters,
 servers, SLURM and the network bed run one at a time, as they always did;
 classes and modules marked ``pytest.mark.beside`` start no cluster, server or
 launcher (at most short processes that join none) and run in the ``beside``
-stream, on the other core. The
-clusters stream alone left half the machine idle (waits on peers, bounds and
-single processes): 1631 of 3962 core-seconds in one measured run.
+stream, on the other core. The clusters stream alone left half the machine
+idle (waits on peers, bounds and single processes): 1631 of 3962
+core-seconds in one measured run.
 
 Each module's garbage is collected when the module ends. Left to pile up
 over several modules of in-process TensorFlow tests, one generation-2

@@ -123,8 +123,8 @@ class OneProcessSessionTest(_Session):
     self._session(["-n", "0"], variable)
 
 
-@pytest.mark.timeout(300)
 @pytest.mark.beside  # Three pytest processes that start no cluster.
+@pytest.mark.timeout(300)
 class TwoStreamsSessionTest(_Session):
   """xdist's controller gathers the skips of both streams."""
 
