@@ -258,7 +258,7 @@ class TwoNodeSlurmTest(absltest.TestCase):
       script = _job_script(os.path.join(d, "job.sbatch"), nodes="2")
       os.chmod(d, 0o755)
       job, out = self.slurm.sbatch(script, args=[
-          f"--export=ALL,PYTHONPATH={cluster_utils.REPO},"
+          f"--export=ALL,PYTHONPATH={cluster_utils.REPO},TMPDIR={d},"
           f"TFDIST_COMMAND={sys.executable} {STALL_JOB} collective 6 "
           "--slow-worker 1 --at 5"], timeout=400)
     # Worker 1, on node2, sleeps in a callback: node 0's launcher prints one
@@ -277,6 +277,9 @@ class TwoNodeSlurmTest(absltest.TestCase):
     self.assertIn(f"{STALL_JOB}:{_sleep_line()} in on_train_batch_end",
                   report[at + 1])
     self.assertIn("tfdist: node 1 stops: task worker:0 on node 0 failed", out)
+    # Each node's dumps in the job's TMPDIR, removed with it, not in /tmp.
+    flight = re.escape(d) + r"/tfdist-flight-"
+    self.assertRegex(out, rf"dumps .*: node 0 {flight}\S+/0, node 1 {flight}")
     print(f"\nstall report of SLURM job {job}:\n" + "\n".join(report[:12]))
 
   def _scontrol(self, *args: str) -> str:
