@@ -134,7 +134,9 @@ class TwoNodesTest(parameterized.TestCase):
     self.assertLess(took, BOUND_S + 30)  # The wait's bound, not a speed.
 
   def test_a_killed_master_node_stops_the_other_leaving_nothing(self):
-    tasks, _ = _nodes([[], []], mode=["stubborn"])
+    # Node 1 stops its task (which ignores SIGTERM) with SIGKILL after 1 s.
+    tasks, _ = _nodes([[], []], mode=["stubborn"],
+                      extra=["--grace-seconds", "1"])
     with tasks:
       for i in (0, 1):
         tasks.wait_for(i, lambda line: "ready" in line, 60)

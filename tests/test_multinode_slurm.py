@@ -244,7 +244,7 @@ class TwoNodeSlurmTest(absltest.TestCase):
     r = self.slurm.srun(
         ["-N", "2", "--kill-on-bad-exit=0", "bash", "-c",
          'if [[ "${SLURM_NODEID}" == 1 ]]; then export SLURM_JOB_ID=999999; '
-         'fi; exec tfdist launch --workers 1 --rendezvous-timeout-seconds 8 '
+         'fi; exec tfdist launch --workers 1 --rendezvous-timeout-seconds 4 '
          f'-- {sys.executable} -c pass'],
         env={**_ENV, "TFDIST_JOB_SECRET": "slurm-bed-secret",
              "TFDIST_PORT_BASE": "20000"}, timeout=120)
