@@ -20,6 +20,7 @@ from tfdist.bench import schedules
 from tfdist.ring import socket_ring
 
 import bench_bed
+import bench_stale_link
 import netbed
 
 _BED = netbed.netbed_unavailable_reason()
@@ -274,6 +275,25 @@ class ReportTest(parameterized.TestCase):
     table = bench_bed.schedules_table({"1gbit/2/0us": out}).splitlines()
     self.assertEqual(table[0], "| rate | added | hosts | rule's link | 4 MiB |")
     self.assertEqual(table[2], f"| 1gbit | 0 us | 2 | 10 us, 1 MB/s | {cell} |")
+
+  def test_a_link_kept_from_connect_is_priced_against_a_remeasured_one(self):
+    """Each condition's own pick is its fastest: a ring that kept the other
+    condition's link took twice the time, both ways."""
+    links = {"10gbit": (1e-6, 1e10), "1gbit": (1e-3, 1e8)}
+    nbytes = 256 << 10
+    picks = {rate: socket_ring.choose(4, nbytes, latency_s=a, bytes_per_s=b)
+             for rate, (a, b) in links.items()}
+    self.assertNotEqual(picks["10gbit"], picks["1gbit"])  # Chosen for this.
+    sweeps = {f"{rate}/4/0us": {
+        "rule_link": {"latency_s": a, "bytes_per_s": b},
+        "sizes": {"256": {"bytes": nbytes, "schedules": {
+            name: {"measured_s": 1.0 if name == picks[rate] else 2.0}
+            for name in socket_ring.SCHEDULES}}}}
+              for rate, (a, b) in links.items()}
+    self.assertEqual(bench_stale_link.rows(sweeps), [
+        f"| {old}/N/0us -> {new}/N/0us | 1 | 0 / 1 | 2.000 / 1.000 | 4 hosts "
+        f"256 KiB {picks[old]} for {picks[new]} 2.00 |"
+        for old, new in (("10gbit", "1gbit"), ("1gbit", "10gbit"))])
 
   def test_ranks_that_differ_are_named(self):
     out = schedules.report(raw_figures(seconds=self._seconds(4.0, 4.0),
