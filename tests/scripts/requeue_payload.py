@@ -2,8 +2,9 @@
 
 Does what a tfdist training task does once it saved on USR1, without the
 training: prints ``RESULT {"procid": R, "restart": N, "waiting": true}``,
-waits for USR1 (at most ``--wait`` seconds), then the chief (rank 0) calls
-`tfdist.cluster.requeue.requeue_after_save` (the call
+waits for USR1 (at most ``--wait`` seconds), is deaf to SIGTERM from then
+on (as `tfdist.training.preemption` is after a preemption), then the chief
+(rank 0) calls `tfdist.cluster.requeue.requeue_after_save` (the call
 `tfdist.training.preemption.PreemptionWatcher.exit` makes) and prints its
 line as ``tfdist: LINE``, and every task exits 42. Without USR1 it exits 0.
 """
@@ -36,6 +37,9 @@ while not got and time.time() < deadline:
   time.sleep(0.1)
 if not got:
   sys.exit(0)
+# As tfdist's watcher after a preemption: a later SIGTERM (SLURM stops the
+# step as the chief requeues the job) cannot end the task before its line.
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if procid == 0:
   line = requeue.requeue_after_save()
   if line:
