@@ -22,6 +22,9 @@ latency of ``--delays-us`` added by relays (`tfdist.bench.relay`; up to
       --schedule-hosts 2 4 8 16 --delays-us 0 25 250 \
       --json schedules.json --plot schedules.png
 
+``--table JSON`` prints a saved sweep's table (as docs/benchmarks.md has
+it) and a line for each point beyond 1.1x (`misses`), with no bed.
+
 Each report of the script carries ``bed``: the host count, the rate, each
 host's TensorFlow intra-op threads (its share of this machine's cores) and
 the machine's load averages (``os.getloadavg``) just before and just after
@@ -180,13 +183,36 @@ def schedules_table(results: dict[str, dict]) -> str:
   return "\n".join(rows)
 
 
+def misses(results: dict[str, dict]) -> list[str]:
+  """The points of a `--schedules` JSON where the rule took over 1.1x the
+  fastest forced schedule's time, a line each: whether the pick's own forced
+  windows were within 1.1x of the fastest (the rule's run's spread, not its
+  pick) and how busy the processes kept this machine's cores."""
+  out = []
+  for key, r in sorted(results.items()):
+    for kb, s in sorted(r["sizes"].items(), key=lambda item: int(item[0])):
+      if round(s["chosen_vs_best"], 2) <= 1.1:  # As the table stars them.
+        continue
+      timed = {k: v["measured_s"] for k, v in s["schedules"].items()}
+      pick, fastest = s["rule"]["pick"], min(timed, key=timed.get)
+      forced = timed[pick] / timed[fastest]
+      out.append(f"{key} {kb} KiB: {pick} {s['chosen_vs_best']:.2f} over "
+                 f"{fastest}; {pick} forced {forced:.2f} "
+                 f"({'spread' if forced <= 1.1 else 'pick'}); "
+                 f"{s['busy_cores']:.2f} of {r['cores']} cores busy")
+  return out
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--hosts", type=int, default=2,
                       help="hosts of the bed, one worker each")
-  parser.add_argument("--json", required=True)
+  parser.add_argument("--json")
+  parser.add_argument("--table", metavar="JSON",
+                      help="print a saved --schedules JSON's table and "
+                           "misses; runs no bed")
   parser.add_argument("--plot")
   parser.add_argument("--model", help="tfdist bench --model")
   parser.add_argument("--bucket-mib", type=int,
@@ -204,6 +230,13 @@ def main() -> int:
                       help="largest size swept through relays")
   parser.add_argument("--windows", type=int, default=5)
   args = parser.parse_args()
+  if args.table:
+    with open(args.table) as f:
+      results = json.load(f)
+    print("\n".join([schedules_table(results), ""] + misses(results)))
+    return 0
+  if not args.json:
+    parser.error("--json is required unless --table is given")
   if args.schedules:
     results = {}
     for rate in args.rates:

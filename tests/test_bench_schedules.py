@@ -276,6 +276,20 @@ class ReportTest(parameterized.TestCase):
     self.assertEqual(table[0], "| rate | added | hosts | rule's link | 4 MiB |")
     self.assertEqual(table[2], f"| 1gbit | 0 us | 2 | 10 us, 1 MB/s | {cell} |")
 
+  @parameterized.named_parameters(
+      ("within", 4.0, 4.4, []),
+      ("the_runs_spread", 4.0, 5.0, ["1gbit/2/0us 4096 KiB: ring 1.25 over "
+                                     "ring; ring forced 1.00 (spread); 0.10 "
+                                     "of 2 cores busy"]),
+      ("the_pick", 8.0, 9.0, ["1gbit/2/0us 4096 KiB: ring 1.50 over "
+                              "doubling; ring forced 1.33 (pick); 0.10 of 2 "
+                              "cores busy"]))
+  def test_bench_beds_misses_say_spread_or_pick(self, ring_s, rule_s, lines):
+    seconds = {**self._seconds(ring_s, rule_s), "doubling": 6.0}
+    out = schedules.report(raw_figures(seconds=seconds, pick="ring",
+                                       cpu_s=[0.1, 0.1]))
+    self.assertEqual(bench_bed.misses({"1gbit/2/0us": out}), lines)
+
   def test_a_link_kept_from_connect_is_priced_against_a_remeasured_one(self):
     """Each condition's own pick is its fastest: a ring that kept the other
     condition's link took twice the time, both ways."""
