@@ -55,6 +55,18 @@ def tearDownModule():  # pylint: disable=invalid-name
     shutil.rmtree(_DIGITS_DIR, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _module_tempdir():
+  """The module's temporary files in one directory, removed after it: TFDS
+  4.9's ``DatasetInfo.initialize_from_bucket`` leaves an empty ``tmp*tfds``
+  directory for every builder of a dataset not prepared (31 a run)."""
+  root = tempfile.mkdtemp(prefix="tfdist_data_module_")
+  saved, tempfile.tempdir = tempfile.tempdir, root
+  yield
+  tempfile.tempdir = saved
+  shutil.rmtree(root, ignore_errors=True)
+
+
 def _tempdir(test: absltest.TestCase) -> str:
   """An empty directory removed after ``test`` (absl's needs parsed flags)."""
   path = tempfile.mkdtemp(prefix="tfdist_data_test_")
