@@ -324,17 +324,26 @@ class WithoutLauncherTest(absltest.TestCase):
 
 
 @pytest.mark.timeout(300)
-class UnwritableDumpTest(absltest.TestCase):
+class UnwritableDumpTest(parameterized.TestCase):
 
-  def test_a_dump_that_cannot_be_written_does_not_hide_the_stall(self):
+  # sigusr2: worker:3 tries only when asked, so its line comes after the
+  # ask (its own stall, first or not, races the others' with 2 s).
+  @parameterized.named_parameters(("no_step_for_2_s", ["--stall-seconds", "2"]),
+                                  ("sigusr2", []))
+  def test_a_dump_that_cannot_be_written_does_not_hide_the_stall(self, flags):
     with tempfile.TemporaryDirectory() as logs, \
         tempfile.TemporaryDirectory() as d:
       # worker:3's stacks file is a directory: its dump cannot be written.
       os.makedirs(os.path.join(logs, "flight", "0", "worker-3.stacks.txt"))
       with _launcher("--workers", "4", "--log-dir", logs, "--grace-seconds",
-                     "2", "--stall-seconds", "2", "--", sys.executable,
+                     "2", *flags, "--", sys.executable,
                      RING_JOB, d, "--slow", "3", "--at", "5") as launcher:
         self.addCleanup(lambda: _kill(_pids(launcher).values()))
+        if not flags:
+          self.assertTrue(cluster_utils.wait_until(
+              lambda: len(_pids(launcher)) == 4, 60), launcher.stdout(0))
+          cluster_utils.wait_until(lambda: False, 3)  # Into the stall.
+          launcher.signal(0, stall.SIGNAL)
         report = _reported(self, launcher, 90)
     entry = next(l for l in report if l.startswith("  worker:3: "))
     self.assertIn("could not write its flight record", entry)

@@ -277,8 +277,8 @@ def collect(directory: str, pids: Mapping[str, int], *, request: int,
                    or state == "ended" and written >= since):
         found[task] = dump
       else:
-        unwritten = [line.strip() for line in (notes or {}).get(task, ())
-                     if _UNWRITTEN in line]
+        unwritten = [line.strip() for line in list(  # Read as they come.
+            (notes or {}).get(task, ())) if _UNWRITTEN in line]
         found[task] = unwritten[-1] if unwritten else state
     waiting = [t for t, f in found.items() if f == "running"]
     if not waiting or time.monotonic() >= deadline:

@@ -141,8 +141,9 @@ class Workers:
   def pids(self) -> dict[str, int]:
     return {t.role: t.proc.pid for t in self.tasks}
 
-  def tails(self) -> dict[str, list[str]]:
-    return {t.role: list(t.tail) for t in self.tasks}
+  def tails(self) -> dict[str, collections.deque]:
+    """Each task's last lines, live: a line read later is in them too."""
+    return {t.role: t.tail for t in self.tasks}
 
   def stop(self) -> None:
     """Stops every task (`stopper.stop`; a forwarded signal already asked
