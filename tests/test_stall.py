@@ -326,8 +326,9 @@ class WithoutLauncherTest(absltest.TestCase):
 @pytest.mark.timeout(300)
 class UnwritableDumpTest(parameterized.TestCase):
 
-  # sigusr2: worker:3 tries only when asked, so its line comes after the
-  # ask (its own stall, first or not, races the others' with 2 s).
+  # sigusr2: worker:3 tries to dump only when asked, so its line always
+  # comes after the ask; under --stall-seconds before or after it, as the
+  # tasks' own stall dumps race.
   @parameterized.named_parameters(("no_step_for_2_s", ["--stall-seconds", "2"]),
                                   ("sigusr2", []))
   def test_a_dump_that_cannot_be_written_does_not_hide_the_stall(self, flags):
